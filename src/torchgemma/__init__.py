@@ -1,0 +1,20 @@
+"""torchgemma: Gemma 4 in PyTorch, exact against Hugging Face transformers."""
+
+from .cache import KVCache
+from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
+from .loading import load
+from .model import Gemma
+from .weights import CheckpointError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Gemma",
+    "KVCache",
+    "LayerSpec",
+    "ModelConfig",
+    "TextConfig",
+    "load",
+]

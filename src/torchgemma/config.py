@@ -1,0 +1,518 @@
+"""Model configuration: frozen data built from a checkpoint's ``config.json``.
+
+``ModelConfig.from_hf`` is the only place that knows Hugging Face key names and defaults. Everything
+the model needs per layer (attention type, head geometry, RoPE table, KV role, MLP width, MoE) is
+derived once here into ``LayerSpec`` records; modules read their spec and never re-derive it.
+
+Two field styles are accepted for the full-attention geometry:
+
+* the published one: ``global_head_dim`` and ``num_global_key_value_heads`` at the top level, and
+* the one transformers 5.23 writes on save: ``per_layer_config = {"<layer>": {"head_dim": ...,
+  "num_key_value_heads": ...}}`` with overrides for the full-attention layers only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LayerType = Literal["sliding_attention", "full_attention"]
+
+# "own": computes and caches its K/V. "store": the same, and later layers reuse what it attended to.
+# "reuse": no k/v weights and no cache; attends to its source layer's keys and values.
+KVRole = Literal["own", "store", "reuse"]
+
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+SUPPORTED_ROPE_TYPES = ("default", "proportional")
+
+# The text model's shape: without these a checkpoint cannot be built, so no default is guessed.
+REQUIRED_TEXT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+# Defaults of transformers' Gemma4TextConfig for the optional fields we read.
+TEXT_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 512,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "use_bidirectional_attention": None,
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+    "num_experts": None,
+    "top_k_experts": None,
+    "moe_intermediate_size": None,
+    "attention_bias": False,
+}
+
+DEFAULT_ROPE_PARAMETERS = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+# Multimodal token ids of the gemma4 top-level config (transformers' defaults).
+MULTIMODAL_TOKEN_DEFAULTS = {
+    "image_token_id": 258_880,
+    "audio_token_id": 258_881,
+    "video_token_id": 258_884,
+    "boi_token_id": 255_999,
+    "eoi_token_id": 258_882,
+    "boa_token_id": 256_000,
+    "eoa_token_id": 258_883,
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model we can build."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table: the frequencies of ``rope_type`` over a ``head_dim``-wide head."""
+
+    rope_type: str
+    theta: float
+    head_dim: int
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+    def inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies in float32, ``head_dim // 2`` entries, as the reference computes them."""
+        if self.rope_type == "default":
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+            inv = 1.0 / (self.theta**exponents)
+        elif self.rope_type == "proportional":
+            # Only the first `partial_rotary_factor` of the frequencies rotate; their exponents are
+            # still over the full head_dim, and the remaining ones are zero (cos 1, sin 0).
+            rotated = int(self.partial_rotary_factor * self.head_dim // 2)
+            exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / self.head_dim
+            inv = 1.0 / (self.theta**exponents)
+            still = self.head_dim // 2 - rotated
+            if still > 0:
+                inv = torch.cat((inv, torch.zeros(still, dtype=torch.float32)))
+        else:
+            raise ConfigError(f"unsupported rope_type {self.rope_type!r}")
+        return inv / self.factor
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything that differs between decoder layers, written down once."""
+
+    index: int
+    attention_type: LayerType
+    head_dim: int
+    num_kv_heads: int
+    kv_role: KVRole
+    # The layer whose keys/values this layer attends to (itself unless kv_role == "reuse").
+    kv_source: int
+    # Full layers of K=V checkpoints have no v_proj: values are the raw k_proj output.
+    k_eq_v: bool
+    intermediate_size: int
+    moe: bool
+    # Keys a query may see, itself included; None for full attention.
+    window: int | None
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.attention_type == SLIDING
+
+    @property
+    def has_kv_weights(self) -> bool:
+        return self.kv_role != "reuse"
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    rope: dict[str, RopeSpec]
+    final_logit_softcapping: float | None
+    tie_word_embeddings: bool
+    pad_token_id: int
+    bos_token_id: int | None
+    eos_token_id: tuple[int, ...]
+    max_position_embeddings: int
+    use_bidirectional_attention: str | None
+    hidden_size_per_layer_input: int
+    vocab_size_per_layer_input: int
+    num_kv_shared_layers: int
+    use_double_wide_mlp: bool
+    attention_k_eq_v: bool
+    enable_moe_block: bool
+    num_experts: int | None
+    top_k_experts: int | None
+    moe_intermediate_size: int | None
+    layers: tuple[LayerSpec, ...]
+
+    @property
+    def has_per_layer_inputs(self) -> bool:
+        return self.hidden_size_per_layer_input > 0
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    @property
+    def max_head_dim(self) -> int:
+        return max(spec.head_dim for spec in self.layers)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A whole checkpoint: the text decoder plus the (not yet built) vision and audio towers."""
+
+    model_type: str
+    text: TextConfig
+    vision: dict | None
+    audio: dict | None
+    token_ids: dict[str, int]
+    # The checkpoint's own dtype ("bfloat16", ...), when config.json names one.
+    dtype: str | None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON: {err}") from err
+        try:
+            return cls.from_hf(data)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from err
+
+    @classmethod
+    def from_hf(cls, data: dict) -> ModelConfig:
+        """Build from the dict of a Hugging Face ``config.json`` (``gemma4`` or ``gemma4_text``)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; torchgemma builds {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if model_type == "gemma4":
+            text_data = data.get("text_config")
+            if not isinstance(text_data, dict):
+                raise ConfigError("model_type 'gemma4' needs a 'text_config' object")
+            text_data = dict(text_data)
+            # The top level decides weight tying for the multimodal model.
+            if "tie_word_embeddings" in data:
+                text_data["tie_word_embeddings"] = data["tie_word_embeddings"]
+            vision = data.get("vision_config")
+            audio = data.get("audio_config")
+            token_ids = {k: int(data.get(k, v)) for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()}
+        else:
+            text_data, vision, audio, token_ids = data, None, None, {}
+        dtype = data.get("dtype") or data.get("torch_dtype") or text_data.get("dtype")
+        return cls(
+            model_type=model_type,
+            text=_text_config_from_hf(text_data),
+            vision=vision,
+            audio=audio,
+            token_ids=token_ids,
+            dtype=dtype,
+        )
+
+
+def _text_config_from_hf(data: dict) -> TextConfig:
+    missing = [key for key in REQUIRED_TEXT_FIELDS if data.get(key) is None]
+    if missing:
+        raise ConfigError(f"text config is missing required field(s): {', '.join(missing)}")
+    get = {**TEXT_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k in TEXT_DEFAULTS}}.get
+
+    num_layers = _positive_int(data, "num_hidden_layers")
+    hidden = _positive_int(data, "hidden_size")
+    num_heads = _positive_int(data, "num_attention_heads")
+    num_kv_heads = _positive_int(data, "num_key_value_heads")
+    head_dim = _positive_int(data, "head_dim")
+    if get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"unsupported hidden_activation {get('hidden_activation')!r}")
+    if get("attention_bias"):
+        raise ConfigError("attention_bias=true is not part of Gemma 4 and is not supported")
+
+    bidirectional = get("use_bidirectional_attention")
+    if bidirectional not in (None, "vision"):
+        raise ConfigError(
+            f"use_bidirectional_attention={bidirectional!r} is not supported (None or 'vision' are)"
+        )
+
+    layer_types = _layer_types(data, num_layers)
+    rope = _rope_specs(data, layer_types, head_dim)
+    geometry = _per_layer_geometry(data, layer_types, head_dim, num_kv_heads)
+    for index, (layer_head_dim, layer_kv_heads) in enumerate(geometry):
+        if num_heads % layer_kv_heads:
+            raise ConfigError(
+                f"layer {index}: num_attention_heads={num_heads} is not a multiple of its "
+                f"{layer_kv_heads} key/value heads"
+            )
+        rope_dim = rope[layer_types[index]].head_dim
+        if layer_head_dim != rope_dim:
+            raise ConfigError(
+                f"layer {index} ({layer_types[index]}) has head_dim {layer_head_dim} but other layers of "
+                f"that type have {rope_dim}; one RoPE table per type needs one head_dim per type"
+            )
+
+    num_shared = int(get("num_kv_shared_layers"))
+    if not 0 <= num_shared < num_layers:
+        raise ConfigError(f"num_kv_shared_layers={num_shared} must be in [0, num_hidden_layers={num_layers})")
+    roles, sources = _kv_roles(layer_types, num_shared)
+
+    moe = bool(get("enable_moe_block"))
+    if moe:
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if not isinstance(data.get(key), int) or data[key] <= 0:
+                raise ConfigError(f"enable_moe_block=true needs a positive integer {key}, got {data.get(key)!r}")
+        if data["top_k_experts"] > data["num_experts"]:
+            raise ConfigError(
+                f"top_k_experts={data['top_k_experts']} exceeds num_experts={data['num_experts']}"
+            )
+
+    per_layer_input = int(get("hidden_size_per_layer_input") or 0)
+    if per_layer_input < 0:
+        raise ConfigError(f"hidden_size_per_layer_input must be >= 0, got {per_layer_input}")
+    if per_layer_input and int(get("vocab_size_per_layer_input")) <= 0:
+        raise ConfigError("per-layer embeddings need a positive vocab_size_per_layer_input")
+
+    intermediate = _positive_int(data, "intermediate_size")
+    double_wide = bool(get("use_double_wide_mlp"))
+    k_eq_v = bool(get("attention_k_eq_v"))
+    window = _positive_int({"sliding_window": get("sliding_window")}, "sliding_window")
+    layers = tuple(
+        LayerSpec(
+            index=i,
+            attention_type=layer_types[i],
+            head_dim=geometry[i][0],
+            num_kv_heads=geometry[i][1],
+            kv_role=roles[i],
+            kv_source=sources[i],
+            k_eq_v=k_eq_v and layer_types[i] == FULL,
+            # The double-wide MLP is only on the KV-shared layers.
+            intermediate_size=intermediate * (2 if double_wide and roles[i] == "reuse" else 1),
+            moe=moe,
+            window=window if layer_types[i] == SLIDING else None,
+        )
+        for i in range(num_layers)
+    )
+
+    eos = get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    softcap = get("final_logit_softcapping")
+    return TextConfig(
+        vocab_size=_positive_int(data, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        sliding_window=window,
+        layer_types=tuple(layer_types),
+        rope=rope,
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        pad_token_id=int(get("pad_token_id")),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos_ids,
+        max_position_embeddings=int(get("max_position_embeddings")),
+        use_bidirectional_attention=bidirectional,
+        hidden_size_per_layer_input=per_layer_input,
+        vocab_size_per_layer_input=int(get("vocab_size_per_layer_input")),
+        num_kv_shared_layers=num_shared,
+        use_double_wide_mlp=double_wide,
+        attention_k_eq_v=k_eq_v,
+        enable_moe_block=moe,
+        num_experts=data.get("num_experts") if moe else None,
+        top_k_experts=data.get("top_k_experts") if moe else None,
+        moe_intermediate_size=data.get("moe_intermediate_size") if moe else None,
+        layers=layers,
+    )
+
+
+def _positive_int(data: dict, key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _layer_types(data: dict, num_layers: int) -> list[str]:
+    types = data.get("layer_types")
+    if types is None:
+        # transformers' default: every sixth layer is full attention (5:1).
+        types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+    types = list(types)
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+    unknown = sorted({t for t in types if t not in (SLIDING, FULL)})
+    if unknown:
+        raise ConfigError(f"unknown layer type(s) {unknown}; expected {SLIDING!r} or {FULL!r}")
+    if types[-1] != FULL:
+        # transformers forces the last layer to full attention (with a warning); do the same so that
+        # the same config.json describes the same model.
+        warnings.warn("the last layer must be full attention; treating it as full, as transformers does", stacklevel=3)
+        types[-1] = FULL
+    return types
+
+
+def _per_layer_geometry(
+    data: dict, layer_types: list[str], head_dim: int, num_kv_heads: int
+) -> list[tuple[int, int]]:
+    """(head_dim, num_kv_heads) of every layer, from either field style."""
+    per_layer = data.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, dict):
+            raise ConfigError("per_layer_config must be an object keyed by layer index")
+        overrides: dict[int, dict] = {}
+        for key, value in per_layer.items():
+            try:
+                index = int(key)
+            except ValueError:
+                raise ConfigError(f"per_layer_config key {key!r} is not a layer index") from None
+            if not 0 <= index < len(layer_types):
+                raise ConfigError(f"per_layer_config names layer {index}, outside [0, {len(layer_types)})")
+            unsupported = sorted(set(value) - {"head_dim", "num_key_value_heads"})
+            if unsupported:
+                raise ConfigError(f"per_layer_config[{key}] overrides unsupported field(s) {unsupported}")
+            overrides[index] = value
+        geometry = [
+            (
+                int(overrides.get(i, {}).get("head_dim", head_dim)),
+                int(overrides.get(i, {}).get("num_key_value_heads", num_kv_heads)),
+            )
+            for i in range(len(layer_types))
+        ]
+        _check_against_published_style(data, layer_types, geometry)
+        return geometry
+
+    global_head_dim = data.get("global_head_dim")
+    if global_head_dim is None:
+        global_head_dim = 512  # transformers' default when the field is absent
+    global_kv_heads = data.get("num_global_key_value_heads")
+    # The global kv-head count only applies to K=V checkpoints; E2B/E4B full layers keep theirs.
+    if not data.get("attention_k_eq_v", False) or global_kv_heads is None:
+        global_kv_heads = num_kv_heads
+    return [
+        (int(global_head_dim), int(global_kv_heads)) if t == FULL else (head_dim, num_kv_heads)
+        for t in layer_types
+    ]
+
+
+def _check_against_published_style(data: dict, layer_types: list[str], geometry: list[tuple[int, int]]) -> None:
+    """A config carrying both styles must say the same thing in both."""
+    for i, layer_type in enumerate(layer_types):
+        if layer_type != FULL:
+            continue
+        if data.get("global_head_dim") is not None and data["global_head_dim"] != geometry[i][0]:
+            raise ConfigError(
+                f"global_head_dim={data['global_head_dim']} contradicts per_layer_config head_dim "
+                f"{geometry[i][0]} of full layer {i}"
+            )
+        kv = data.get("num_global_key_value_heads")
+        if kv is not None and data.get("attention_k_eq_v") and kv != geometry[i][1]:
+            raise ConfigError(
+                f"num_global_key_value_heads={kv} contradicts per_layer_config num_key_value_heads "
+                f"{geometry[i][1]} of full layer {i}"
+            )
+
+
+def _rope_specs(data: dict, layer_types: list[str], head_dim: int) -> dict[str, RopeSpec]:
+    params = data.get("rope_parameters") or DEFAULT_ROPE_PARAMETERS
+    if not isinstance(params, dict):
+        raise ConfigError("rope_parameters must be an object keyed by layer type")
+    # The table of a type is built for the head_dim of that type's layers.
+    geometry = _per_layer_geometry(
+        {k: v for k, v in data.items() if k != "rope_parameters"},
+        layer_types,
+        head_dim,
+        _positive_int(data, "num_key_value_heads"),
+    )
+    specs = {}
+    for layer_type in dict.fromkeys(layer_types):
+        p = params.get(layer_type)
+        if not isinstance(p, dict):
+            raise ConfigError(f"rope_parameters has no entry for {layer_type!r}")
+        rope_type = p.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope_parameters[{layer_type!r}]: unsupported rope_type {rope_type!r} "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        theta = p.get("rope_theta")
+        if not isinstance(theta, int | float) or theta <= 0 or not math.isfinite(theta):
+            raise ConfigError(f"rope_parameters[{layer_type!r}] needs a positive rope_theta, got {theta!r}")
+        first = layer_types.index(layer_type)
+        specs[layer_type] = RopeSpec(
+            rope_type=rope_type,
+            theta=float(theta),
+            head_dim=geometry[first][0],
+            partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)),
+            factor=float(p.get("factor", 1.0)),
+        )
+    return specs
+
+
+def _kv_roles(layer_types: list[str], num_shared: int) -> tuple[list[KVRole], list[int]]:
+    """Which layers cache their own K/V, which store it for sharing, which reuse it, and from where.
+
+    Every layer from ``num_layers - num_shared`` on reuses the K/V of the *last* earlier layer of the
+    same attention type (not a one-to-one mapping).
+    """
+    num_layers = len(layer_types)
+    roles: list[KVRole] = ["own"] * num_layers
+    sources = list(range(num_layers))
+    if num_shared == 0:
+        return roles, sources
+    first_shared = num_layers - num_shared
+    producer: dict[str, int] = {}
+    for i in range(first_shared):
+        producer[layer_types[i]] = i
+    orphaned = sorted(set(layer_types[first_shared:]) - set(producer))
+    if orphaned:
+        raise ConfigError(
+            f"KV-shared layers of type(s) {orphaned} have no earlier layer of that type to share from "
+            f"(num_kv_shared_layers={num_shared})"
+        )
+    for index in producer.values():
+        roles[index] = "store"
+    for i in range(first_shared, num_layers):
+        roles[i] = "reuse"
+        sources[i] = producer[layer_types[i]]
+    return roles, sources

@@ -1,0 +1,4 @@
+from .gemma import Gemma
+from .text import TextModel
+
+__all__ = ["Gemma", "TextModel"]

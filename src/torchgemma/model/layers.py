@@ -1,0 +1,73 @@
+"""Parts shared by the towers: RMSNorm, rotary embeddings, the gated MLP.
+
+Each operation follows the reference's order of floating-point operations: the same formula computed
+in another order differs in the last bit, and bf16 parity is bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; Gemma 4 stores the scale itself (no ``1 + w``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.with_scale = with_scale
+        if with_scale:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        # pow(., -0.5) rather than rsqrt: the reference chose it to agree with JAX, and rsqrt can
+        # differ in the last ulp.
+        normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.with_scale:
+            normed = normed * self.weight.float()
+        return normed.type_as(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class GatedMLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``(B, T, D)`` for integer ``positions`` ``(B, T)``.
+
+    Angles are computed in float32 from float32 frequencies and only then rounded to the model
+    dtype; the rotation itself runs in the model dtype, as in the reference.
+    """
+    angles = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # Half-split pairing: dimension j rotates with j + D/2 (not interleaved pairs).
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, T, H, D)`` by tables ``(B, T, D)``."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (x * cos) + (rotate_half(x) * sin)

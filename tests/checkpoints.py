@@ -1,0 +1,158 @@
+"""Tiny random Gemma 4 checkpoints, built and saved by transformers, one per variant style.
+
+Every parameter and buffer is randomised — norm weights, router scales and layer scalars included,
+since values of exactly 1 hide bugs — and the checkpoint is written with ``save_pretrained`` so that
+the folder is what transformers itself would publish.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    sliding_window=5,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=[1, 106 % 300],
+)
+
+STYLES: dict[str, dict] = {
+    # E2B: 4:1 pattern, one KV head, PLE, KV sharing of both layer types, double-wide MLP.
+    "e2b": dict(
+        num_hidden_layers=10,
+        layer_types=([SLIDING] * 4 + [FULL]) * 2,
+        num_key_value_heads=1,
+        global_head_dim=32,
+        num_kv_shared_layers=4,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=300,
+        use_double_wide_mlp=True,
+    ),
+    # E4B: 5:1 pattern, two KV heads, PLE, KV sharing, normal-width MLP.
+    "e4b": dict(
+        num_hidden_layers=12,
+        layer_types=([SLIDING] * 5 + [FULL]) * 2,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        num_kv_shared_layers=5,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=300,
+    ),
+    # 26B-A4B: dense MLP beside routed experts, K=V full layers, own global KV-head count.
+    "26b": dict(
+        num_hidden_layers=6,
+        layer_types=[SLIDING, SLIDING, FULL] * 2,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=3,
+        moe_intermediate_size=24,
+        hidden_size_per_layer_input=0,
+        use_bidirectional_attention="vision",
+    ),
+    # 31B: dense, K=V full layers.
+    "31b": dict(
+        num_hidden_layers=6,
+        layer_types=[SLIDING] * 5 + [FULL],
+        num_key_value_heads=2,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0,
+    ),
+}
+
+TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=16,
+)
+
+
+def text_config(style: str):
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(**COMMON, **STYLES[style])
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter and persistent buffer random, non-trivial values."""
+    gen = torch.Generator().manual_seed(seed)
+    persistent = set(model.state_dict().keys())
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
+    with torch.no_grad():
+        for name, t in named:
+            if not t.is_floating_point():
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name or leaf in ("scale", "per_expert_scale", "layer_scalar", "std_scale"):
+                # Scales around 1, never exactly 1.
+                values = 0.5 + torch.rand(t.shape, generator=gen)
+            elif leaf in ("input_min", "output_min"):
+                values = -2.0 - torch.rand(t.shape, generator=gen)
+            elif leaf in ("input_max", "output_max"):
+                values = 2.0 + torch.rand(t.shape, generator=gen)
+            elif "embed_tokens" in name or "position_embedding" in name:
+                values = torch.randn(t.shape, generator=gen)
+            else:
+                fan_in = t.shape[-1] if t.dim() > 1 else t.numel()
+                values = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
+            t.copy_(values.to(t.dtype))
+
+
+def build_text_checkpoint(folder: Path, style: str, *, seed: int = 0, dtype=torch.float32) -> Path:
+    """A ``gemma4_text`` checkpoint (``Gemma4ForCausalLM``) of the given style."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(text_config(style)).to(dtype)
+    randomize_(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def build_multimodal_checkpoint(folder: Path, style: str, *, seed: int = 0, dtype=torch.float32) -> Path:
+    """A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``) with a tiny vision tower."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    config = Gemma4Config(
+        text_config=text_config(style).to_dict(),
+        vision_config=Gemma4VisionConfig(**TINY_VISION).to_dict(),
+        audio_config=None,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).to(dtype)
+    randomize_(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def reference_model(folder: Path, dtype=torch.float32):
+    """The transformers model of a saved checkpoint, with eager attention and eager experts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
+    return model.eval()
