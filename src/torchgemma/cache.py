@@ -23,7 +23,9 @@ from .config import TextConfig
 
 
 class LayerCache(Protocol):
-    def update(self, key: torch.Tensor, value: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def key_slots(self, start: int, length: int, device: torch.device) -> torch.Tensor: ...
 

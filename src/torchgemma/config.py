@@ -298,7 +298,9 @@ def _text_config_from_hf(data: dict) -> TextConfig:
     if moe:
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if not isinstance(data.get(key), int) or data[key] <= 0:
-                raise ConfigError(f"enable_moe_block=true needs a positive integer {key}, got {data.get(key)!r}")
+                raise ConfigError(
+                    f"enable_moe_block=true needs a positive integer {key}, got {data.get(key)!r}"
+                )
         if data["top_k_experts"] > data["num_experts"]:
             raise ConfigError(
                 f"top_k_experts={data['top_k_experts']} exceeds num_experts={data['num_experts']}"
@@ -387,7 +389,9 @@ def _layer_types(data: dict, num_layers: int) -> list[str]:
     if types[-1] != FULL:
         # transformers forces the last layer to full attention (with a warning); do the same so that
         # the same config.json describes the same model.
-        warnings.warn("the last layer must be full attention; treating it as full, as transformers does", stacklevel=3)
+        warnings.warn(
+            "the last layer must be full attention; treating it as full, as transformers does", stacklevel=3
+        )
         types[-1] = FULL
     return types
 
@@ -435,7 +439,9 @@ def _per_layer_geometry(
     ]
 
 
-def _check_against_published_style(data: dict, layer_types: list[str], geometry: list[tuple[int, int]]) -> None:
+def _check_against_published_style(
+    data: dict, layer_types: list[str], geometry: list[tuple[int, int]]
+) -> None:
     """A config carrying both styles must say the same thing in both."""
     for i, layer_type in enumerate(layer_types):
         if layer_type != FULL:

@@ -79,7 +79,11 @@ def load(
         model = model.to(dtype=target_dtype).to_empty(device=device)
         total = sum(_nbytes(shape, dt) for _, _, shape, dt in tensors)
         with tqdm(
-            total=total, unit="B", unit_scale=True, desc=f"loading {folder.name}", disable=total < PROGRESS_MIN_BYTES
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc=f"loading {folder.name}",
+            disable=total < PROGRESS_MIN_BYTES,
         ) as bar:
             load_into(model, config, iter(tensors), bar.update)
     return model.eval()
@@ -95,7 +99,18 @@ def _checkpoint_dtype(config: ModelConfig, tensors) -> torch.dtype:
 
 
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+_SAFETENSORS_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "I64": 8,
+    "I32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I16": 2,
+    "U8": 1,
+    "I8": 1,
+    "BOOL": 1,
+}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -42,7 +42,11 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
     parts = name.split(".")
     if len(parts) > 4 and parts[:2] == ["language_model", "layers"] and parts[3] == "self_attn":
         layer = int(parts[2]) if parts[2].isdigit() else -1
-        if 0 <= layer < text.num_hidden_layers and text.layers[layer].kv_role == "reuse" and parts[4] in SHARED_KV_PARAMS:
+        if (
+            0 <= layer < text.num_hidden_layers
+            and text.layers[layer].kv_role == "reuse"
+            and parts[4] in SHARED_KV_PARAMS
+        ):
             return None  # KV-shared layers reuse another layer's K/V: published files may carry unused k/v
     return name
 
@@ -74,7 +78,11 @@ def safetensors_files(folder: Path) -> list[Path]:
         # Loose files without an index: accept them, in name order.
         return [folder / name for name in others]
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-    hint = f" (found {', '.join(pickles)}: pickled checkpoints are never loaded; convert them to safetensors)" if pickles else ""
+    hint = (
+        f" (found {', '.join(pickles)}: pickled checkpoints are never loaded; convert them to safetensors)"
+        if pickles
+        else ""
+    )
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
@@ -85,7 +93,9 @@ def read_safetensors(files: list[Path], stack: ExitStack) -> TensorSource:
             handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             keys = list(handle.keys())
         except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"cannot read {path}: {err} (is the file truncated or not safetensors?)") from err
+            raise CheckpointError(
+                f"cannot read {path}: {err} (is the file truncated or not safetensors?)"
+            ) from err
         for key in keys:
             view = handle.get_slice(key)
             yield key, _loader(handle, key, path), tuple(view.get_shape()), view.get_dtype()
@@ -101,7 +111,9 @@ def _loader(handle, key: str, path: Path) -> Callable[[], torch.Tensor]:
     return load
 
 
-def load_into(model: nn.Module, config: ModelConfig, source: TensorSource, progress: Callable[[int], None]) -> None:
+def load_into(
+    model: nn.Module, config: ModelConfig, source: TensorSource, progress: Callable[[int], None]
+) -> None:
     """Copy every tensor of ``source`` into ``model``; every parameter and buffer must be covered once."""
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())

@@ -60,7 +60,11 @@ class Gemma(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         hidden = self.language_model(input_ids, attention_mask, cache, keep_last=logits_to_keep)
-        weight = self.language_model.embed_tokens.weight if self.config.text.tie_word_embeddings else self.lm_head.weight
+        weight = (
+            self.language_model.embed_tokens.weight
+            if self.config.text.tie_word_embeddings
+            else self.lm_head.weight
+        )
         logits = F.linear(hidden, weight)
         cap = self.config.text.final_logit_softcapping
         if cap is not None:

@@ -33,7 +33,9 @@ def scale_in_dtype(value: float, dtype: torch.dtype) -> float:
 # ── attention ───────────────────────────────────────────────────────────────────────────────────
 
 
-def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def eager_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Softmax attention with scale 1 (the QK norms replace 1/√D) and an additive mask.
 
     query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S). Returns (B, T, H, D).
@@ -139,7 +141,7 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             # Rows in (slot, token) order: the order the reference gathers them in.
-            slot, token = torch.where(experts.T == expert)
+            slot, token = torch.where(expert == experts.T)
             gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(gelu_tanh(gate) * up, self.down_proj[expert])
             y = y * weights[token, slot, None]
@@ -198,7 +200,9 @@ class DecoderLayer(nn.Module):
             flat = residual.reshape(-1, residual.shape[-1])
             weights, experts = self.router(flat)
             moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts)
-            ffw = self.post_feedforward_layernorm_1(ffw) + self.post_feedforward_layernorm_2(moe.view_as(residual))
+            ffw = self.post_feedforward_layernorm_1(ffw) + self.post_feedforward_layernorm_2(
+                moe.view_as(residual)
+            )
         x = residual + self.post_feedforward_layernorm(ffw)
 
         if per_layer_input is not None:
@@ -230,7 +234,9 @@ class RotaryTables(nn.Module):
                 setattr(self, layer_type, spec.inv_freq().to(device))
         return self
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {t: rope_cos_sin(getattr(self, t), positions, dtype) for t in self.specs}
 
 
@@ -277,7 +283,9 @@ class TextModel(nn.Module):
         cfg = self.config
         shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         table = self.embed_tokens_per_layer
-        token_part = table(input_ids) * scale_in_dtype(cfg.hidden_size_per_layer_input**0.5, table.weight.dtype)
+        token_part = table(input_ids) * scale_in_dtype(
+            cfg.hidden_size_per_layer_input**0.5, table.weight.dtype
+        )
         context = self.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + token_part.reshape(shape)) * 2.0**-0.5
@@ -299,7 +307,9 @@ class TextModel(nn.Module):
             else attention_mask.to(device=device, dtype=torch.bool)
         )
         if valid.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(valid.shape)}, input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask has shape {tuple(valid.shape)}, input_ids {tuple(input_ids.shape)}"
+            )
 
         # Positions count real tokens only (left padding gets position 0), as generate() does.
         first_position = 0 if cache is None else cache.next_position[:, None]
@@ -308,7 +318,9 @@ class TextModel(nn.Module):
         start = 0 if cache is None else cache.length
         if cache is not None:
             if cache.batch_size != batch:
-                raise ValueError(f"cache was made for batch size {cache.batch_size}, got input of batch {batch}")
+                raise ValueError(
+                    f"cache was made for batch size {cache.batch_size}, got input of batch {batch}"
+                )
             if start + length > cache.max_len:
                 raise ValueError(
                     f"cache holds {cache.max_len} tokens; {start} are used and this call adds {length}"
@@ -331,7 +343,9 @@ class TextModel(nn.Module):
                 key_slots = query_slots
             else:
                 key_slots = cache.layers[first].key_slots(start, length, device)
-            masks[layer_type] = build_mask(query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype)
+            masks[layer_type] = build_mask(
+                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype
+            )
 
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for spec, layer in zip(cfg.layers, self.layers):

@@ -1,0 +1,105 @@
+"""The text configs of the four published Gemma 4 checkpoints, in the published field style.
+
+From the reference notes (../shared/reference/gemma4-transformers-5.23.md §1.1: the official
+conversion script's variants). Only config.json is needed: no weights.
+"""
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+_COMMON = dict(
+    model_type="gemma4_text",
+    vocab_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    vocab_size_per_layer_input=262144,
+    rope_parameters={
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+    dtype="bfloat16",
+)
+
+E2B = dict(
+    _COMMON,
+    num_hidden_layers=35,
+    hidden_size=1536,
+    intermediate_size=6144,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    num_global_key_value_heads=None,
+    layer_types=([SLIDING] * 4 + [FULL]) * 7,
+    sliding_window=512,
+    num_kv_shared_layers=20,
+    hidden_size_per_layer_input=256,
+    use_double_wide_mlp=True,
+    attention_k_eq_v=False,
+    max_position_embeddings=131072,
+)
+
+E4B = dict(
+    E2B,
+    num_hidden_layers=42,
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_key_value_heads=2,
+    layer_types=([SLIDING] * 5 + [FULL]) * 7,
+    num_kv_shared_layers=18,
+    use_double_wide_mlp=False,
+)
+
+A26B = dict(
+    _COMMON,
+    num_hidden_layers=30,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    layer_types=([SLIDING] * 5 + [FULL]) * 5,
+    sliding_window=1024,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    use_bidirectional_attention="vision",
+    max_position_embeddings=262144,
+)
+
+D31B = dict(
+    _COMMON,
+    num_hidden_layers=60,
+    hidden_size=5376,
+    intermediate_size=21504,
+    num_attention_heads=32,
+    num_key_value_heads=16,
+    num_global_key_value_heads=4,
+    layer_types=([SLIDING] * 5 + [FULL]) * 10,
+    sliding_window=1024,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    use_bidirectional_attention="vision",
+    max_position_embeddings=262144,
+)
+
+PUBLISHED = {"e2b": E2B, "e4b": E4B, "26b-a4b": A26B, "31b": D31B}
+
+
+def multimodal(text: dict) -> dict:
+    """The same text config wrapped the way the published (gemma4) config.json wraps it."""
+    text = {k: v for k, v in text.items() if k != "dtype"}
+    return {
+        "model_type": "gemma4",
+        "text_config": dict(text, model_type="gemma4_text"),
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 768},
+        "audio_config": None,
+        "tie_word_embeddings": True,
+        "dtype": "bfloat16",
+    }
