@@ -4,6 +4,8 @@ from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
 from .loading import load
 from .model import Gemma
+from .processing import process_audio, process_images
+from .tokenizer import Tokenizer, load_tokenizer
 from .weights import CheckpointError
 
 __version__ = "0.1.0"
@@ -16,5 +18,9 @@ __all__ = [
     "LayerSpec",
     "ModelConfig",
     "TextConfig",
+    "Tokenizer",
     "load",
+    "load_tokenizer",
+    "process_audio",
+    "process_images",
 ]

@@ -1,0 +1,262 @@
+"""Chat templates rendered the way transformers 5.23 renders them, and Gemma 4 reply parsing.
+
+A checkpoint's chat template is Jinja written against transformers' environment, so the output only
+matches if the environment matches: a sandbox with `trim_blocks`/`lstrip_blocks`, loop controls, a
+`{% generation %}` tag, a `tojson` that neither escapes HTML nor forces ASCII, and the globals
+`raise_exception`, `strftime_now`, `dict` and `namespace`. Inputs are reduced to plain JSON-like data
+first, as transformers does, so templates see the same values (and no live objects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplateError", "parse_reply", "render_chat_template", "select_chat_template"]
+
+# Names a message's reasoning may come under; transformers copies it to `reasoning_content` (what
+# templates read) and `thinking`.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint has no usable chat template, or the inputs cannot be rendered."""
+
+
+def select_chat_template(
+    chat_template: str | Mapping[str, str] | None, *, tools: Sequence[Any] | None = None, source: str = ""
+) -> str:
+    """Pick the template string: a single template, or from named templates "tool_use" when tools are
+    given and it exists, else "default" (transformers' rule)."""
+    where = f" ({source})" if source else ""
+    if chat_template is None:
+        raise ChatTemplateError(
+            f"This tokenizer has no chat template{where}: neither chat_template.jinja nor a 'chat_template' "
+            "entry in tokenizer_config.json was found. Pass chat_template=... explicitly."
+        )
+    if isinstance(chat_template, str):
+        return chat_template
+    if tools is not None and "tool_use" in chat_template:
+        return chat_template["tool_use"]
+    if "default" in chat_template:
+        return chat_template["default"]
+    raise ChatTemplateError(
+        f"This tokenizer has several chat templates and none is named 'default'{where}; "
+        f"pass one of {sorted(chat_template)} as chat_template=..."
+    )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}…{% endgeneration %}` marks assistant text for masks; rendering just emits it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_emit"), [], [], body).set_lineno(lineno)
+
+    def _emit(self, caller: Any) -> str:
+        return caller()
+
+
+class _SafeDict:
+    """`dict(...)` for templates without exposing the type itself (no attribute tricks)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _SafeNamespace(jinja2.utils.Namespace):
+    """Jinja's namespace, refusing underscore names so templates cannot reach interpreter internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - mirrors Namespace's signature trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _SafeNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates may not set underscore attributes ({name!r})"
+            )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    major_minor_patch = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
+    if major_minor_patch < (3, 1, 6):
+        # Earlier releases have known sandbox escapes; hub templates are untrusted code.
+        raise ImportError(f"chat templates need jinja2>=3.1.6, found {jinja2.__version__}")
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _SafeDict()
+    env.globals["namespace"] = _SafeNamespace
+    return env.from_string(template)
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild `value` from plain JSON-like types; anything else becomes "<TypeName>".
+
+    Templates only test whether media keys exist, so an image or tensor can become a placeholder
+    without changing the output, and the sandbox never sees objects with side-effecting methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):
+        # np.bool_(False) must stay falsy, not become a truthy placeholder string.
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _prepare_messages(messages: Sequence[Any]) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if len(messages) == 0:
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+    # Keys whose value is None are dropped: templates handle a missing key but often print "None".
+    chat = _plain(
+        [{k: v for k, v in m.items() if v is not None} if isinstance(m, Mapping) else m for m in messages]
+    )
+    prepared = []
+    for message in chat:
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
+) -> str:
+    """Render one conversation with `template` as transformers' `apply_chat_template(tokenize=False)`.
+
+    `template_kwargs` are the extra template variables (special-token strings, `enable_thinking`, …).
+    Tools must already be JSON-schema dicts (transformers can also build them from Python functions;
+    that conversion is not reproduced here)."""
+    compiled = _compile(template)
+    if tools is not None:
+        for tool in tools:
+            if not isinstance(tool, Mapping):
+                raise TypeError(f"tools must be JSON-schema dicts, got {type(tool).__name__}")
+    if documents is not None:
+        for document in documents:
+            if not isinstance(document, Mapping):
+                raise TypeError("documents must be dicts (e.g. with 'title' and 'text' keys)")
+    return compiled.render(
+        messages=_prepare_messages(messages),
+        tools=_plain(list(tools)) if tools is not None else None,
+        documents=_plain(list(documents)) if documents is not None else None,
+        add_generation_prompt=add_generation_prompt,
+        **_plain(template_kwargs),
+    )
+
+
+def parse_reply(
+    text: str,
+    *,
+    channel_start: str = "<|channel>",
+    channel_end: str = "<channel|>",
+    stop_strings: Sequence[str] = ("<turn|>", "<eos>"),
+) -> tuple[str | None, str]:
+    """Split a generated Gemma 4 reply into (thinking, answer).
+
+    The reply format is `<|channel>thought\\n…<channel|>answer`; decode with special tokens kept so
+    the markers are present. thinking is None when the reply has no channel block, and holds the text
+    so far when the block is unterminated (generation stopped while thinking; the answer is then "").
+    Several blocks (thinking interleaved with tool calls) are joined with a blank line. The answer
+    ends at the first stop string (`<turn|>`, `<eos>`); both parts are stripped of surrounding space.
+    """
+    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
+    text = text[:cut]
+    thoughts: list[str] = []
+    answer_parts: list[str] = []
+    rest = text
+    while True:
+        start = rest.find(channel_start)
+        if start < 0:
+            answer_parts.append(rest)
+            break
+        answer_parts.append(rest[:start])
+        body_start = start + len(channel_start)
+        end = rest.find(channel_end, body_start)
+        body = rest[body_start:] if end < 0 else rest[body_start:end]
+        # The first line names the channel ("thought"); it is a label, not part of the thinking.
+        newline = body.find("\n")
+        thoughts.append("" if newline < 0 else body[newline + 1 :].strip())
+        if end < 0:
+            break
+        rest = rest[end + len(channel_end) :]
+    thinking = "\n\n".join(thoughts) if thoughts else None
+    return thinking, "".join(answer_parts).strip()

@@ -1,0 +1,696 @@
+"""Gemma 4 tokenizer: tokenizer.json through `tokenizers`, special tokens, chat template, streaming decode.
+
+`load_tokenizer(folder)` reproduces what transformers 5.23's `AutoTokenizer.from_pretrained(folder)`
+builds for the same files, because ids must match the reference exactly:
+
+* `tokenizer_class: GemmaTokenizer` (every Gemma checkpoint) makes transformers keep only the BPE
+  vocabulary/merges and the post-processor of tokenizer.json and rebuild the rest with Gemma's fixed
+  pipeline (spaces -> "▁", no pre-split, byte fallback, decoder "▁"->" " + bytes + fuse). We rebuild
+  the same way; other classes use tokenizer.json as is (what transformers' TokenizersBackend does).
+* Whether `<bos>` is prepended is decided by tokenizer.json's post-processor alone: transformers
+  drops `add_bos_token`/`add_eos_token` from tokenizer_config.json whenever tokenizer.json exists.
+  Gemma 4 checkpoints put `<bos>` in the chat template instead.
+* Added tokens come from tokenizer_config.json's `added_tokens_decoder` when present, otherwise from
+  tokenizer.json (plus special_tokens_map.json for the named tokens), and every named or extra special
+  token missing from them is added as a special token, in transformers' order.
+* chat_template.jinja (and additional_chat_templates/*.jinja) take precedence over a
+  `chat_template` entry in tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from torchgemma.chat_template import parse_reply, render_chat_template, select_chat_template
+
+__all__ = [
+    "GEMMA4_TOKENS",
+    "TOKENIZER_FILES",
+    "StreamDecoder",
+    "Tokenizer",
+    "UnknownTokenError",
+    "load_tokenizer",
+    "parse_reply",
+]
+
+# What load_tokenizer fetches from the hub (and reads from a folder).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "additional_chat_templates/*.jinja",
+)
+
+# transformers' standard named special tokens, in the order it registers them.
+_STANDARD_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# GemmaTokenizer's constructor defaults, used when tokenizer_config.json leaves a name out.
+_GEMMA_DEFAULT_SPECIAL = {
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "unk_token": "<unk>",
+    "pad_token": "<pad>",
+    "mask_token": "<mask>",
+}
+_GEMMA_CLASSES = ("GemmaTokenizer", "GemmaTokenizerFast")
+
+# Gemma 4's control tokens: attribute stem -> (tokenizer_config.json key, text). The text is used when
+# the config does not name the token; ids always come from the vocabulary.
+GEMMA4_TOKENS: dict[str, tuple[str | None, str]] = {
+    "turn_start": ("sot_token", "<|turn>"),
+    "turn_end": ("eot_token", "<turn|>"),
+    "image": ("image_token", "<|image|>"),
+    "image_start": ("boi_token", "<|image>"),
+    "image_end": ("eoi_token", "<image|>"),
+    "audio": ("audio_token", "<|audio|>"),
+    "audio_start": ("boa_token", "<|audio>"),
+    "audio_end": ("eoa_token", "<audio|>"),
+    "video": (None, "<|video|>"),  # not a named token in the config; the processor adds it
+    "channel_start": ("soc_token", "<|channel>"),
+    "channel_end": ("eoc_token", "<channel|>"),
+    "think": ("think_token", "<|think|>"),
+    "escape": ("escape_token", '<|"|>'),
+    "tool_start": ("std_token", "<|tool>"),
+    "tool_end": ("etd_token", "<tool|>"),
+    "tool_call_start": ("stc_token", "<|tool_call>"),
+    "tool_call_end": ("etc_token", "<tool_call|>"),
+    "tool_response_start": ("str_token", "<|tool_response>"),
+    "tool_response_end": ("etr_token", "<tool_response|>"),
+}
+
+# apply_chat_template options of transformers that are not reproduced here (not template variables).
+_TRANSFORMERS_ONLY_CHAT_OPTIONS = frozenset(
+    {
+        "continue_final_message",
+        "sanitize_control_tokens",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
+# tokenizers' ByteFallback decoder recognises exactly "<0xHH>" (either hex case).
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class UnknownTokenError(KeyError):
+    """A special token that the tokenizer does not define, or text that is not in the vocabulary."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class _NamedTokenId:
+    """Class attribute `<stem>_id` -> id of the Gemma 4 control token `<stem>` (see GEMMA4_TOKENS)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.stem = name.removesuffix("_id")
+
+    def __get__(self, obj: Tokenizer | None, objtype: type | None = None) -> int:
+        if obj is None:
+            return self  # type: ignore[return-value]  # class access shows the descriptor
+        return obj.named_id(self.stem)
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the metadata transformers keeps beside it.
+
+    Build it with `load_tokenizer(folder)`, or directly from a backend (e.g. one made from a GGUF
+    vocabulary): `Tokenizer(backend, bos_id=2, eos_id=1, pad_id=0, add_bos=False, chat_template=...)`.
+    The backend is adopted, not copied: missing special tokens are registered on it, truncation and
+    padding are switched off, and an explicit `add_bos`/`add_eos` installs a matching post-processor
+    (None keeps the backend's own).
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        special_tokens: Mapping[str, str | AddedToken] | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        extra_special_tokens: Sequence[str | AddedToken] = (),
+        clean_up_tokenization_spaces: bool = False,
+        name_or_path: str = "",
+    ) -> None:
+        if not isinstance(backend, BackendTokenizer):
+            raise TypeError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        self.backend = backend
+        self.name_or_path = name_or_path
+        # Named special tokens as transformers exposes them (bos_token, eos_token, image_token, ...);
+        # their strings are also the template variables apply_chat_template passes.
+        named: dict[str, str | AddedToken] = dict(special_tokens or {})
+        for key, token_id in (
+            ("bos_token", bos_id),
+            ("eos_token", eos_id),
+            ("pad_token", pad_id),
+            ("unk_token", unk_id),
+        ):
+            if token_id is None:
+                continue
+            text = backend.id_to_token(int(token_id))
+            if text is None:
+                raise ValueError(
+                    f"{key[:-6]}_id={token_id} is outside the vocabulary ({backend.get_vocab_size()} ids)"
+                )
+            if key in named and _content(named[key]) != text:
+                raise ValueError(
+                    f"{key}={_content(named[key])!r} disagrees with {key[:-6]}_id={token_id} ({text!r})"
+                )
+            named.setdefault(key, text)
+        _register_special_tokens(backend, named, list(extra_special_tokens))
+        self.special_tokens: dict[str, str] = {k: _content(v) for k, v in named.items()}
+        self.extra_special_tokens: list[str] = [_content(t) for t in extra_special_tokens]
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+
+        # transformers resets truncation/padding around every call; a single encode never uses them.
+        backend.no_truncation()
+        backend.no_padding()
+        if add_bos is not None or add_eos is not None:
+            backend.post_processor = self._template_processor(bool(add_bos), bool(add_eos))
+        probe = backend.encode("", add_special_tokens=True).ids
+        bos = self._lookup_named("bos_token")
+        self._add_bos = bool(probe) and bos is not None and probe[0] == bos
+
+        # Ids the backend treats as special: what decode(skip_special_tokens=True) drops.
+        added = backend.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # Byte-fallback pieces, which only decode to text in complete UTF-8 runs (see StreamDecoder).
+        byte_ids = (backend.token_to_id(f"<0x{b:02{case}}>") for b in range(256) for case in "Xx")
+        self.byte_ids: frozenset[int] = frozenset(i for i in byte_ids if i is not None)
+
+    def _template_processor(self, add_bos: bool, add_eos: bool) -> processors.TemplateProcessing:
+        # Same shape as transformers' update_post_processor.
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        specials = [(t, self.token_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+    # ---- vocabulary and special tokens -------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids including added tokens (`len(tokenizer)` in transformers)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether encode(..., add_special_tokens=True) prepends <bos>."""
+        return self._add_bos
+
+    def token_id(self, token: str) -> int:
+        """Id of a token given by its text (e.g. "<|turn>")."""
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise UnknownTokenError(
+                f"token {token!r} is not in the vocabulary of {self.name_or_path or 'this tokenizer'}"
+            )
+        return token_id
+
+    def id_to_token(self, token_id: int) -> str:
+        text = self.backend.id_to_token(int(token_id))
+        if text is None:
+            raise UnknownTokenError(f"id {token_id} is outside the vocabulary ({self.vocab_size} ids)")
+        return text
+
+    def special_token(self, name: str) -> str:
+        """Text of a named special token: a config name ("eos_token", "image_token") or a Gemma 4 stem
+        from GEMMA4_TOKENS ("turn_end", "channel_start")."""
+        if name in self.special_tokens:
+            return self.special_tokens[name]
+        if name in GEMMA4_TOKENS:
+            key, default = GEMMA4_TOKENS[name]
+            return self.special_tokens.get(key, default) if key is not None else default
+        known = sorted(set(self.special_tokens) | set(GEMMA4_TOKENS))
+        raise UnknownTokenError(f"unknown special token {name!r}; this tokenizer knows {known}")
+
+    def named_id(self, name: str) -> int:
+        """Id of a named special token (see `special_token`), looked up in the vocabulary."""
+        return self.token_id(self.special_token(name))
+
+    def _lookup_named(self, key: str) -> int | None:
+        text = self.special_tokens.get(key)
+        return None if text is None else self.backend.token_to_id(text)
+
+    def _required(self, key: str) -> int:
+        if key not in self.special_tokens:
+            raise UnknownTokenError(f"this tokenizer defines no {key}")
+        return self.token_id(self.special_tokens[key])
+
+    @property
+    def bos_id(self) -> int:
+        return self._required("bos_token")
+
+    @property
+    def eos_id(self) -> int:
+        return self._required("eos_token")
+
+    @property
+    def pad_id(self) -> int:
+        return self._required("pad_token")
+
+    @property
+    def unk_id(self) -> int:
+        return self._required("unk_token")
+
+    turn_start_id = _NamedTokenId()
+    turn_end_id = _NamedTokenId()
+    image_id = _NamedTokenId()
+    image_start_id = _NamedTokenId()
+    image_end_id = _NamedTokenId()
+    audio_id = _NamedTokenId()
+    audio_start_id = _NamedTokenId()
+    audio_end_id = _NamedTokenId()
+    video_id = _NamedTokenId()
+    channel_start_id = _NamedTokenId()
+    channel_end_id = _NamedTokenId()
+    think_id = _NamedTokenId()
+    escape_id = _NamedTokenId()
+    tool_start_id = _NamedTokenId()
+    tool_end_id = _NamedTokenId()
+    tool_call_start_id = _NamedTokenId()
+    tool_call_end_id = _NamedTokenId()
+    tool_response_start_id = _NamedTokenId()
+    tool_response_end_id = _NamedTokenId()
+
+    # ---- encode / decode ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, as transformers' `tokenizer(text)["input_ids"]`."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int] | int, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`, as transformers' `tokenizer.decode(ids)`."""
+        text = self.backend.decode(_id_list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """A fresh incremental detokenizer for one generated sequence."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat --------------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        tokenize: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> list[int] | str:
+        """Render `messages` with the checkpoint's template; ids (or the text with tokenize=False) equal
+        transformers' `apply_chat_template(messages, add_generation_prompt=..., enable_thinking=...)`.
+
+        The special-token strings (bos_token, eos_token, image_token, ...) are template variables, and
+        `extra` adds or overrides variables. The rendered text is encoded without adding <bos>: the
+        template writes it."""
+        unsupported = sorted(_TRANSFORMERS_ONLY_CHAT_OPTIONS.intersection(extra))
+        if unsupported:
+            # transformers consumes these itself; passing them on as template variables would be silent.
+            raise TypeError(f"apply_chat_template does not support {unsupported}")
+        template = chat_template or select_chat_template(
+            self.chat_template, tools=tools, source=self.name_or_path
+        )
+        variables = {**self.special_tokens, "enable_thinking": enable_thinking, **extra}
+        text = render_chat_template(
+            template,
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def parse_reply(self, text: str) -> tuple[str | None, str]:
+        """(thinking, answer) of a reply decoded with special tokens kept; see `chat_template.parse_reply`."""
+        stops = [self.special_token("turn_end")]
+        if "eos_token" in self.special_tokens:
+            stops.append(self.special_tokens["eos_token"])
+        return parse_reply(
+            text,
+            channel_start=self.special_token("channel_start"),
+            channel_end=self.special_token("channel_end"),
+            stop_strings=stops,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, add_bos={self.add_bos}, "
+            f"chat_template={'yes' if self.chat_template else 'no'})"
+        )
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push(id)` returns the newly completed text, `flush()` the rest.
+
+    The pieces concatenate to exactly `tokenizer.decode(all_ids, skip_special_tokens)`. Text is only
+    released at boundaries where decoding is additive: never after a byte-fallback piece (`<0xE2>`),
+    because tokenizers decodes a whole run of byte pieces at once and a later invalid byte would turn
+    the run, already-complete characters included, into U+FFFD; and never while the text ends in
+    U+FFFD (a byte-level decoder mid-character). Each step decodes only the tokens since the last
+    release plus one release of context, so the cost per token stays constant, and the context keeps
+    decoder effects that depend on the preceding token (e.g. a stripped leading space) right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []  # tokens from the context start on
+        self._read = 0  # index in _ids of the first token whose text is not released yet
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if self.skip_special_tokens and token_id in self.tokenizer.special_ids:
+            return ""  # decode(skip_special_tokens=True) drops these before decoding anything
+        self._ids.append(token_id)
+        if token_id in self.tokenizer.byte_ids:
+            return ""
+        released = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd") or len(text) <= len(released) or not text.startswith(released):
+            return ""
+        # Keep the just-released tokens as context for the next step.
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        return text[len(released) :]
+
+    def flush(self) -> str:
+        """Text of the tokens still held back (end of generation); resets the decoder."""
+        released = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        self._ids, self._read = [], 0
+        # A decoder that rewrote already-released text cannot be undone; release only what is new.
+        return text[len(os.path.commonprefix([text, released])) :]
+
+    def __call__(self, token_id: int) -> str:
+        return self.push(token_id)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
+    """Load the tokenizer of a checkpoint folder, or of a hub repo id (tokenizer files only)."""
+    folder = _resolve_folder(path_or_id, revision)
+    config = _read_json(folder, "tokenizer_config.json")
+    data = _read_json(folder, "tokenizer.json")
+    gemma = config.get("tokenizer_class") in _GEMMA_CLASSES
+
+    named, extra = _named_special_tokens(folder, config, gemma)
+    decoder_tokens = _added_tokens_decoder(folder, config, data)
+    backend = _build_backend(folder, data, gemma, unk_token=_content(named.get("unk_token", "<unk>")))
+    # transformers adds the listed added tokens that the backend lacks (by content and flags), in id
+    # order, before the named/extra special tokens; the Tokenizer constructor then adds those.
+    present = {repr(t) for t in backend.get_added_tokens_decoder().values()}
+    backend.add_tokens([t for _, t in sorted(decoder_tokens.items()) if repr(t) not in present])
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+    # transformers skips the clean-up for BPE models (it would delete real spaces) unless forced.
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
+        type(backend.model).__name__ != "BPE"
+        or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+    )
+    return Tokenizer(
+        backend,
+        special_tokens=named,
+        extra_special_tokens=extra,
+        chat_template=_chat_templates(folder, config),
+        clean_up_tokenization_spaces=clean_up,
+        name_or_path=str(path_or_id),
+    )
+
+
+def _resolve_folder(path_or_id: str | os.PathLike, revision: str | None) -> Path:
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{path} is a file; pass the checkpoint folder that holds tokenizer.json")
+    text = str(path_or_id)
+    # Hub ids are "name" or "owner/name"; anything path-like that does not exist is a missing folder.
+    if (
+        text.startswith((".", "/", "~"))
+        or text.count("/") > 1
+        or not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", text)
+    ):
+        raise FileNotFoundError(f"tokenizer folder {text} does not exist")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=list(TOKENIZER_FILES)))
+
+
+def _read_json(folder: Path, name: str) -> dict:
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: missing {name} (needed to load the tokenizer)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
+def _chat_templates(folder: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """chat_template.jinja (+ additional_chat_templates/*.jinja) win over tokenizer_config.json."""
+    templates: dict[str, str] = {}
+    default = folder / "chat_template.jinja"
+    if default.is_file():
+        templates["default"] = default.read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.stem] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    entry = config.get("chat_template")
+    if isinstance(entry, list):  # saved as [{"name": ..., "template": ...}, ...]
+        return {item["name"]: item["template"] for item in entry}
+    return entry
+
+
+def _added_token(value: Any) -> str | AddedToken:
+    """A token value from a JSON file: a string, or a serialized AddedToken."""
+    if isinstance(value, Mapping):
+        fields = {
+            k: v
+            for k, v in value.items()
+            if k in ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+        }
+        return AddedToken(**fields)
+    return value
+
+
+def _named_special_tokens(
+    folder: Path, config: Mapping[str, Any], gemma: bool
+) -> tuple[dict[str, str | AddedToken], list[str | AddedToken]]:
+    """Named special tokens (standard first, then model-specific like image_token) and extra ones."""
+    standard: dict[str, Any] = dict(_GEMMA_DEFAULT_SPECIAL) if gemma else {}
+    model_specific: dict[str, Any] = {}
+    for key, value in config.items():
+        if key in _STANDARD_SPECIAL:
+            standard[key] = value
+        elif key.endswith("_token") and (
+            isinstance(value, str) or (isinstance(value, Mapping) and "content" in value)
+        ):
+            model_specific[key] = value
+    extra_entry = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra_entry, Mapping):  # a dict of extra tokens names them
+        model_specific.update(extra_entry)
+        extra_entry = []
+    extra = [_added_token(t) for t in extra_entry]
+
+    # special_tokens_map.json is only read when tokenizer_config.json has no added_tokens_decoder.
+    # Its standard names override the config; model-specific names only add (the config's win).
+    map_path = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and map_path.is_file():
+        new_model_specific: dict[str, Any] = {}
+        for key, value in _read_json(folder, "special_tokens_map.json").items():
+            if key in ("extra_special_tokens", "additional_special_tokens") and isinstance(value, list):
+                if key == "extra_special_tokens" or not extra:
+                    extra += [
+                        t
+                        for t in (_special_added(v) for v in value)
+                        if _content(t) not in {_content(e) for e in extra}
+                    ]
+            elif key in _STANDARD_SPECIAL:
+                standard[key] = _special_added(value)
+            elif key.endswith("_token") and key not in model_specific and value is not None:
+                new_model_specific[key] = _special_added(value)
+        model_specific = {**new_model_specific, **model_specific}
+
+    named: dict[str, str | AddedToken] = {}
+    for key in _STANDARD_SPECIAL:
+        if standard.get(key) is not None:
+            named[key] = _added_token(standard[key])
+    for key, value in model_specific.items():
+        if value is not None:
+            named[key] = _added_token(value)
+    return named, extra
+
+
+def _special_added(value: Any) -> str | AddedToken:
+    # special_tokens_map.json entries given as objects are special by definition.
+    if isinstance(value, Mapping):
+        token = _added_token({**value, "special": True})
+        return token
+    return value
+
+
+def _added_tokens_decoder(
+    folder: Path, config: Mapping[str, Any], data: Mapping[str, Any]
+) -> dict[int, AddedToken]:
+    """The added tokens transformers starts from: the config's list, else tokenizer.json's."""
+    if "added_tokens_decoder" in config:
+        entries = config["added_tokens_decoder"].items()
+    else:
+        entries = ((t["id"], t) for t in data.get("added_tokens", []))
+    tokens = {}
+    for index, entry in entries:
+        token = _added_token(entry)
+        if not isinstance(token, AddedToken):
+            raise ValueError(f"{folder}: added token {index} should be an object, got {entry!r}")
+        tokens[int(index)] = token
+    return tokens
+
+
+def _build_backend(folder: Path, data: Mapping[str, Any], gemma: bool, unk_token: str) -> BackendTokenizer:
+    data = dict(data)
+    data["added_tokens"] = []  # re-added afterwards from the list transformers uses
+    data["truncation"] = None
+    data["padding"] = None
+    if gemma:
+        model = data.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(
+                f"{folder}/tokenizer.json: GemmaTokenizer needs a BPE model, found {model.get('type')!r}"
+            )
+        # transformers' GemmaTokenizer keeps vocab, merges and post-processor and fixes everything else.
+        data["model"] = {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk_token,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": model.get("vocab", {}),
+            "merges": model.get("merges", []),
+        }
+        data["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+        data["pre_tokenizer"] = {
+            "type": "Split",
+            "pattern": {"String": " "},
+            "behavior": "MergedWithPrevious",
+            "invert": False,
+        }
+        data["decoder"] = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ],
+        }
+    try:
+        return BackendTokenizer.from_str(json.dumps(data))
+    except Exception as error:  # tokenizers raises a bare Exception on bad JSON structure
+        raise ValueError(f"{folder}/tokenizer.json could not be loaded by tokenizers: {error}") from error
+
+
+def _register_special_tokens(
+    backend: BackendTokenizer, named: Mapping[str, str | AddedToken], extra: Sequence[str | AddedToken]
+) -> None:
+    """Add named and extra special tokens the backend does not have yet, as transformers does: a plain
+    string becomes a special, non-normalized token; a named AddedToken is forced special."""
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    to_add = []
+    for value, is_named in [(v, True) for v in named.values()] + [(v, False) for v in extra]:
+        content = _content(value)
+        if content in present:
+            continue
+        present.add(content)
+        if isinstance(value, AddedToken):
+            token = AddedToken(
+                value.content,
+                single_word=value.single_word,
+                lstrip=value.lstrip,
+                rstrip=value.rstrip,
+                normalized=value.normalized,
+                special=value.special or is_named,
+            )
+        else:
+            token = AddedToken(content, special=True)
+        to_add.append(token)
+    if to_add:
+        backend.add_tokens(to_add)
+
+
+def _content(token: str | AddedToken) -> str:
+    return token.content if isinstance(token, AddedToken) else str(token)
+
+
+def _id_list(ids: Iterable[int] | int) -> list[int]:
+    if hasattr(ids, "tolist"):  # torch / numpy
+        ids = ids.tolist()
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' legacy WordPiece clean-up: drop the space before punctuation and contractions.
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(before, after)
+    return text
