@@ -1,0 +1,877 @@
+"""GGUF files -> a Hugging Face ``config.json`` dict and Hugging Face checkpoint tensors.
+
+A GGUF holds what llama.cpp's converter made of a Hugging Face checkpoint: its own tensor names
+(``blk.3.attn_q.weight``), dimensions listed innermost first, quantized blocks, hyper-parameters as
+``{arch}.*`` metadata keys, and for Gemma 3 every RMSNorm weight stored as ``1 + w``. ``read_gguf``
+undoes each of those, so that a caller sees the names, shapes, values and config of the checkpoint the
+file was converted from:
+
+    ckpt = read_gguf("gemma-3-270m-q4_k_m.gguf")
+    ckpt.config["model_type"]                      # "gemma3_text"
+    for name, tensor in ckpt.tensors(dtype=torch.bfloat16):   # one tensor in memory at a time
+        ...
+
+Facts about llama.cpp's conventions come from its converter (``Gemma3Model`` / ``Gemma4Model`` in
+convert_hf_to_gguf), its loader (``llama_model::load_hparams``), the ``gguf`` package's tables and
+transformers' GGUF integration; each use is commented where it is made.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as _gguf_dequantize
+from gguf.quants import quant_shape_to_byte_shape
+
+__all__ = [
+    "GGUFCheckpoint",
+    "GGUFError",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_TYPES",
+    "dequantize",
+    "read_gguf",
+    "read_gguf_metadata",
+]
+
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma4")
+
+_T = GGMLQuantizationType
+# Types whose dequantization is checked bit for bit against ggml's reference loops (tests/test_gguf.py).
+_VERIFIED_TYPES = (
+    _T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0,
+    _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+)  # fmt: skip
+# Further types the gguf package dequantizes (the same code transformers uses); checked against it only.
+_EXTRA_TYPES = tuple(
+    getattr(_T, name)
+    for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+                 "TQ1_0", "TQ2_0", "MXFP4")
+    if hasattr(_T, name)
+)  # fmt: skip
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_VERIFIED_TYPES + _EXTRA_TYPES)
+
+_MAGIC = b"GGUF"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read, or that describes something this reader does not support."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Opening the file
+#
+# The header is parsed here rather than with `gguf.GGUFReader`: the stock reader builds two numpy
+# views per vocabulary string, which takes 5-15 s for Gemma's 262k-token vocabulary, and it maps
+# tensor data through unchecked slices (a truncated file fails later with a reshape error). The
+# layout, type ids and block sizes are the gguf package's (`GGUFValueType`, `GGML_QUANT_SIZES`);
+# tests check this parser against `GGUFReader` field by field.
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # GGUF order: innermost dimension first
+    offset: int  # absolute byte offset of the data in the file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Outermost dimension first, as torch and Hugging Face list them."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def qtype(self) -> GGMLQuantizationType | None:
+        try:
+            return GGMLQuantizationType(self.type_id)
+        except ValueError:
+            return None
+
+    @property
+    def type_name(self) -> str:
+        qtype = self.qtype
+        return qtype.name if qtype is not None else f"unknown GGML type id {self.type_id}"
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.dims, dtype=np.int64)) * type_size // block
+
+
+class _GGUFFile:
+    """A GGUF file, memory-mapped: its metadata and tensor table, and raw views of tensor data."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.name = path.name
+        with open(path, "rb") as f:  # a missing file raises FileNotFoundError, as for any open
+            head = f.read(8)
+            if not head:
+                raise GGUFError(f"{self.name} is not a GGUF file: it is empty")
+            if head[:4] != _MAGIC:
+                raise GGUFError(f"{self.name} is not a GGUF file: it starts with {head!r}, not {_MAGIC!r}")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.size = len(self._map)
+        self._pos = 4
+        version = self._scalar("<I")
+        if version & 0xFFFF == 0:
+            raise GGUFError(f"{self.name} is a big-endian GGUF file, which is not supported")
+        if version not in (2, 3):
+            raise GGUFError(f"{self.name} is GGUF version {version}; versions 2 and 3 are supported")
+        n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.metadata[key] = self._value(self._scalar("<I"), key)
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = self._scalar("<I")
+            dims = tuple(self._scalar("<Q") for _ in range(n_dims))
+            infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
+        alignment = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{self.name}: general.alignment {alignment!r} is not a power of two")
+        self.data_offset = -(-self._pos // alignment) * alignment
+        self.tensors: dict[str, _TensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            if name in self.tensors:
+                raise GGUFError(f"{self.name} lists tensor {name} twice")
+            self.tensors[name] = _TensorInfo(name, type_id, dims, self.data_offset + offset)
+
+    # -- header parsing ----------------------------------------------------------------------------
+
+    def _need(self, n: int) -> int:
+        start, end = self._pos, self._pos + n
+        if end > self.size:
+            raise GGUFError(
+                f"{self.name} is truncated: its header needs bytes up to {end}, file has {self.size}"
+            )
+        self._pos = end
+        return start
+
+    def _scalar(self, fmt: str) -> Any:
+        return struct.unpack_from(fmt, self._map, self._need(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        n = self._scalar("<Q")
+        start = self._need(n)
+        try:
+            return self._map[start : start + n].decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GGUFError(f"{self.name}: a header string at byte {start} is not UTF-8 ({err})") from None
+
+    def _value(self, type_id: int, key: str) -> Any:
+        try:
+            vtype = GGUFValueType(type_id)
+        except ValueError:
+            raise GGUFError(f"{self.name}: metadata key {key} has unknown value type {type_id}") from None
+        if vtype == GGUFValueType.STRING:
+            return self._string()
+        if vtype == GGUFValueType.ARRAY:
+            item_id, count = self._scalar("<I"), self._scalar("<Q")
+            try:
+                item = GGUFValueType(item_id)
+            except ValueError:
+                raise GGUFError(
+                    f"{self.name}: metadata key {key} is an array of unknown type {item_id}"
+                ) from None
+            if item in _SCALARS:
+                fmt = _SCALARS[item]
+                start = self._need(struct.calcsize(fmt) * count)
+                return np.frombuffer(self._map, dtype=np.dtype(fmt), count=count, offset=start).tolist()
+            return [self._value(item_id, key) for _ in range(count)]
+        value = self._scalar(_SCALARS[vtype])
+        # A float32 such as 1e-6 reads back as 9.99999997e-07: keep the decimal the writer meant.
+        return _f32(value) if vtype == GGUFValueType.FLOAT32 else value
+
+    # -- tensor data -------------------------------------------------------------------------------
+
+    def check(self, info: _TensorInfo) -> None:
+        """Raise unless the tensor's type is known, its rows fill whole blocks and its bytes are in the file."""
+        if info.qtype is None:
+            raise GGUFError(
+                f"{self.name}: tensor {info.name} has {info.type_name}, not a known quantization type"
+            )
+        block = GGML_QUANT_SIZES[info.qtype][0]
+        if info.dims and info.dims[0] % block:
+            raise GGUFError(
+                f"{self.name}: tensor {info.name} of type {info.type_name} has rows of {info.dims[0]} values, "
+                f"not a multiple of its block size {block}"
+            )
+        end = info.offset + info.n_bytes
+        if end > self.size:
+            raise GGUFError(
+                f"{self.name} is truncated: tensor {info.name} needs bytes up to {end}, file has {self.size}"
+            )
+
+    def raw(self, info: _TensorInfo) -> np.ndarray:
+        """The tensor's stored data, zero-copy, shaped as `gguf.quants.dequantize` expects."""
+        self.check(info)
+        data = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        if info.qtype == GGMLQuantizationType.F32:
+            return data.view(np.float32).reshape(info.shape)
+        if info.qtype == GGMLQuantizationType.F16:
+            return data.view(np.float16).reshape(info.shape)
+        return data.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
+
+
+def _f32(value: float) -> float:
+    return float(str(np.float32(value)))
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata key/values of a GGUF file (``general.*``, ``{arch}.*``, ``tokenizer.*``).
+
+    float32 scalars come back as the shortest decimal that rounds to them (``1e-06``, not
+    ``9.99999997e-07``); arrays come back as lists.
+    """
+    return _GGUFFile(Path(path)).metadata
+
+
+# --------------------------------------------------------------------------------------------------
+# Dequantization
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor of ``shape`` (outermost dimension first) from a tensor's raw GGUF data.
+
+    Block types go through ``gguf.quants.dequantize``, whose numpy code performs the same float32
+    operations in the same order as ggml's ``dequantize_row_*`` reference loops (checked in the
+    tests), and which is what transformers' GGUF loader uses.
+    """
+    if qtype not in SUPPORTED_TYPES:
+        raise GGUFError(f"GGML type {qtype.name} is not supported")
+    values = _gguf_dequantize(data, qtype)
+    if qtype == GGMLQuantizationType.F32:
+        values = np.array(values, copy=True)  # F32 comes back as a view of the read-only file mapping
+    return torch.from_numpy(values.reshape(shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor names: GGUF -> Hugging Face
+
+# Per-layer names llama.cpp gives Gemma 3 and Gemma 4 tensors (gguf.constants.TENSOR_NAMES /
+# gguf.tensor_mapping), to the module path under `model.layers.N.` in transformers.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GEMMA4_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    # MoE (26B-A4B): the dense MLP above is the "shared expert" beside these.
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",  # the converter files router.scale under the router's name
+    "ffn_down_exps.scale": "router.per_expert_scale",  # ...and per_expert_scale as a down_exps scale
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",  # [E, 2I, H], gate rows first, as in HF
+    "ffn_down_exps.weight": "experts.down_proj",  # [E, H, I]
+    # The persistent buffer `layer_scalar`; the converter adds ".weight" to its name.
+    "layer_output_scale.weight": "layer_scalar",
+    # Per-layer embeddings (E2B/E4B).
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+# Converters that keep gate and up experts apart write these two; they are concatenated on dim 1.
+_SPLIT_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+}
+_GEMMA4_GLOBAL_NAMES = {
+    **_GLOBAL_NAMES,
+    "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
+}
+# Not checkpoint tensors: llama.cpp's encoding of Gemma 4's proportional RoPE (read into the config).
+_DERIVED = ("rope_freqs.weight",)
+
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One Hugging Face tensor and the GGUF tensor(s) it is made from."""
+
+    hf_name: str
+    sources: tuple[str, ...]  # several: concatenated along dim 1 (split gate/up experts)
+    shift_norm: bool = False  # Gemma 3 RMSNorm weights are stored as 1 + w
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+class GGUFCheckpoint:
+    """A GGUF file read as a Hugging Face checkpoint: ``config`` and ``tensors()``.
+
+    Made by ``read_gguf``. The file stays memory-mapped; tensors are dequantized one at a time when
+    iterated. Attributes: ``config`` (a ``config.json`` dict for ``Gemma3ForCausalLM`` /
+    ``Gemma4ForCausalLM``), ``metadata`` (every GGUF key/value), ``architecture`` (``"gemma3"`` /
+    ``"gemma4"``), ``skipped`` (GGUF tensors not yielded, each with the reason).
+    """
+
+    def __init__(self, file: _GGUFFile):
+        self.path = file.path
+        self.metadata = file.metadata
+        self.architecture: str = file.metadata["general.architecture"]
+        self._file = file
+        self._gguf = file.tensors
+        for info in self._gguf.values():
+            file.check(info)
+        build = _gemma3_config if self.architecture == "gemma3" else _gemma4_config
+        self.config = build(file)
+        self._entries, self.skipped = _plan(self.architecture, self.config, self._gguf, file.name)
+        self._by_name = {e.hf_name: e for e in self._entries}
+        self._check_types()
+        self._check_shapes()
+
+    # -- public API --------------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        """Hugging Face names of the tensors ``tensors()`` yields, in file order."""
+        return [e.hf_name for e in self._entries]
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The Hugging Face shape of one tensor, without reading it."""
+        return _hf_shape([self._gguf[s] for s in self._entry(hf_name).sources])
+
+    def gguf_types(self) -> dict[str, str]:
+        """The GGML type each Hugging Face tensor is stored in (e.g. ``{"model.norm.weight": "F32"}``)."""
+        return {e.hf_name: "+".join(self._gguf[s].type_name for s in e.sources) for e in self._entries}
+
+    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor, dequantized, in Hugging Face layout and semantics, cast to ``dtype``."""
+        return self._load(self._entry(hf_name), dtype)
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every checkpoint tensor, one dequantized tensor at a time.
+
+        Values are dequantized to float32, corrected there (Gemma 3 norms) and only then cast to
+        ``dtype``, so a bfloat16 request rounds once.
+        """
+        for entry in self._entries:
+            yield entry.hf_name, self._load(entry, dtype)
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """All tensors at once (small models and tests; large models should stream ``tensors()``)."""
+        return dict(self.tensors(dtype))
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFCheckpoint({self.path.name!r}, {self.config['model_type']}, {len(self._entries)} tensors)"
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _entry(self, hf_name: str) -> _Entry:
+        try:
+            return self._by_name[hf_name]
+        except KeyError:
+            raise KeyError(f"{self.path.name} has no tensor {hf_name!r}") from None
+
+    def _load(self, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
+        parts = [self._gguf[s] for s in entry.sources]
+        values = [dequantize(self._file.raw(t), t.qtype, t.shape) for t in parts]
+        value = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        if entry.shift_norm:
+            # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
+            # float32, where the converter added it, before any cast.
+            value = value - 1.0
+        return value.to(dtype)
+
+    def _check_types(self) -> None:
+        for entry in self._entries:
+            for source in entry.sources:
+                info = self._gguf[source]
+                if info.qtype not in SUPPORTED_TYPES:
+                    raise GGUFError(
+                        f"{self.path.name}: tensor {source} is stored as {info.type_name}, a GGML type this "
+                        f"reader cannot dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+                    )
+
+    def _check_shapes(self) -> None:
+        expected = _expected_shapes(self.config)
+        problems = []
+        names = set()
+        for entry in self._entries:
+            names.add(entry.hf_name)
+            want = expected.get(entry.hf_name)
+            if want is None:
+                problems.append(f"unexpected tensor {entry.hf_name} (from {', '.join(entry.sources)})")
+                continue
+            got = self.shape(entry.hf_name)
+            if got != want:
+                problems.append(
+                    f"{entry.hf_name} (from {entry.sources[0]}) has shape {list(got)}, config implies {list(want)}"
+                )
+        missing = [n for n in expected if n not in names and not n.endswith(_OPTIONAL)]
+        problems += [f"missing tensor {n}" for n in missing]
+        if problems:
+            shown = "; ".join(problems[:8]) + (
+                f"; ... ({len(problems)} problems)" if len(problems) > 8 else ""
+            )
+            raise GGUFError(f"{self.path.name} does not match the config read from its metadata: {shown}")
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open a Gemma 3 or Gemma 4 GGUF file (memory-mapped) as a Hugging Face style checkpoint.
+
+    Raises ``GGUFError`` (a ``ValueError``) naming the file and the problem for a file that is not a
+    GGUF, is truncated, uses an unknown or unsupported quantization type, has an architecture other
+    than gemma3/gemma4, or whose tensors disagree with its metadata.
+    """
+    file = _GGUFFile(Path(path))
+    arch = file.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{file.name} has architecture {arch!r}; read_gguf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return GGUFCheckpoint(file)
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning: which HF tensor comes from which GGUF tensor(s)
+
+
+def _hf_shape(parts: list[_TensorInfo]) -> tuple[int, ...]:
+    shapes = [t.shape for t in parts]
+    if len(shapes) == 1:
+        return shapes[0]
+    first = shapes[0]
+    return (first[0], sum(s[1] for s in shapes), *first[2:])
+
+
+def _plan(
+    arch: str, config: dict, gguf: Mapping[str, _TensorInfo], fname: str
+) -> tuple[list[_Entry], list[str]]:
+    layer_names = _GEMMA4_LAYER_NAMES if arch == "gemma4" else _LAYER_NAMES
+    global_names = _GEMMA4_GLOBAL_NAMES if arch == "gemma4" else _GLOBAL_NAMES
+    # Gemma 3's RMSNorm computes x * (1 + w) and llama.cpp stores 1 + w; Gemma 4's uses w directly
+    # and its converter adds nothing (norm_shift 0).
+    shift = arch == "gemma3"
+    n_layers = config["num_hidden_layers"]
+    first_shared = n_layers - config.get("num_kv_shared_layers", 0)
+
+    entries: list[_Entry] = []
+    skipped: list[str] = []
+    unknown: list[str] = []
+    for name in gguf:  # file order
+        if name in _DERIVED:
+            skipped.append(f"{name}: llama.cpp's RoPE frequency factors, read into rope_parameters")
+            continue
+        if name == "output.weight":
+            entries.append(_Entry("lm_head.weight", (name,)))
+            continue
+        if name in global_names:
+            hf = global_names[name]
+            entries.append(_Entry(f"model.{hf}", (name,), shift and hf.endswith("norm.weight")))
+            continue
+        match = _BLOCK.fullmatch(name)
+        if match is None:
+            unknown.append(name)
+            continue
+        layer, suffix = int(match.group(1)), match.group(2)
+        if layer >= n_layers:
+            unknown.append(name)
+            continue
+        if suffix in _SPLIT_EXPERTS and arch == "gemma4":
+            if suffix == _SPLIT_EXPERTS[0]:
+                up = f"blk.{layer}.{_SPLIT_EXPERTS[1]}"
+                if up not in gguf:
+                    raise GGUFError(f"{fname}: {name} has no matching {up}")
+                entries.append(_Entry(f"model.layers.{layer}.experts.gate_up_proj", (name, up)))
+            elif f"blk.{layer}.{_SPLIT_EXPERTS[0]}" not in gguf:
+                raise GGUFError(f"{fname}: {name} has no matching blk.{layer}.{_SPLIT_EXPERTS[0]}")
+            continue
+        hf = layer_names.get(suffix)
+        if hf is None:
+            unknown.append(name)
+            continue
+        if layer >= first_shared and hf.startswith(
+            ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")
+        ):
+            # KV-shared layers read another layer's K/V; HF builds no k/v weights for them.
+            skipped.append(f"{name}: layer {layer} reuses K/V of an earlier layer")
+            continue
+        entries.append(_Entry(f"model.layers.{layer}.{hf}", (name,), shift and hf.endswith("norm.weight")))
+    if unknown:
+        raise GGUFError(
+            f"{fname}: {len(unknown)} tensor(s) with no known Hugging Face {arch} name, e.g. {', '.join(unknown[:5])}"
+        )
+    return entries, skipped
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+
+
+class _Meta:
+    """Metadata lookups under the architecture's prefix, with errors that name the file."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str, fname: str):
+        self.m, self.arch, self.fname = metadata, arch, fname
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.m.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        full = f"{self.arch}.{key}"
+        if full not in self.m:
+            raise GGUFError(f"{self.fname} lacks the metadata key {full}")
+        return self.m[full]
+
+    def uniform(self, key: str, default: Any = None, required: bool = False) -> Any:
+        """A value llama.cpp allows as a scalar or a per-layer array, where HF has one value."""
+        value = self.need(key) if required else self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise GGUFError(
+                    f"{self.fname}: {self.arch}.{key} varies per layer ({value}), which the HF config cannot express"
+                )
+            return value[0]
+        return value
+
+
+def _token_ids(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    # Absent ids fall back to the Gemma config classes' defaults (pad 0, eos 1, bos 2).
+    return {
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id", 0),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id", 1),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id", 2),
+    }
+
+
+def _vocab_size(meta: _Meta, gguf: Mapping[str, _TensorInfo]) -> int:
+    # llama.cpp: `{arch}.vocab_size`, else the length of the token list (as transformers does).
+    size = meta.get("vocab_size")
+    if size is None and "tokenizer.ggml.tokens" in meta.m:
+        size = len(meta.m["tokenizer.ggml.tokens"])
+    if size is None and "token_embd.weight" in gguf:
+        size = gguf["token_embd.weight"].shape[0]
+    if size is None:
+        raise GGUFError(f"{meta.fname} states no vocabulary size (no vocab_size, token list or token_embd)")
+    return int(size)
+
+
+def _swa_layers(meta: _Meta, n_layers: int, default_period: int) -> list[bool]:
+    """Which layers are sliding-window, from `attention.sliding_window_pattern` or llama.cpp's default.
+
+    The key is either one bool per layer (True = sliding) or a period n: layer i is sliding unless
+    i % n == n - 1 (llama.cpp's `set_swa_pattern(n)`, dense layer last in each group).
+    """
+    pattern = meta.get("attention.sliding_window_pattern", default_period)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise GGUFError(
+                f"{meta.fname}: sliding_window_pattern has {len(pattern)} entries for {n_layers} layers"
+            )
+        return [bool(p) for p in pattern]
+    period = int(pattern)
+    if period <= 1:
+        return [False] * n_layers
+    return [i % period < period - 1 for i in range(n_layers)]
+
+
+def _layer_types(swa: list[bool]) -> list[str]:
+    return ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def _common(
+    meta: _Meta, gguf: Mapping[str, _TensorInfo], model_type: str, architecture: str
+) -> dict[str, Any]:
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": _vocab_size(meta, gguf),
+        "hidden_size": meta.need("embedding_length"),
+        "num_hidden_layers": meta.need("block_count"),
+        "num_attention_heads": meta.uniform("attention.head_count", required=True),
+        "rms_norm_eps": meta.get("attention.layer_norm_rms_epsilon", 1e-6),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in gguf,
+        **_token_ids(meta.m),
+    }
+
+
+def _gemma3_config(file: _GGUFFile) -> dict[str, Any]:
+    gguf, fname = file.tensors, file.name
+    meta = _Meta(file.metadata, "gemma3", fname)
+    config = _common(meta, gguf, "gemma3_text", "Gemma3ForCausalLM")
+    n_layers = config["num_hidden_layers"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = meta.get("attention.key_length", hidden // heads)
+
+    # llama.cpp (load_hparams, GEMMA3): sliding layers only when a positive window is stated, then
+    # five sliding to one full layer unless a pattern says otherwise, local RoPE base 10000.
+    window = meta.get("attention.sliding_window", 0)
+    swa = _swa_layers(meta, n_layers, 6) if window else [False] * n_layers
+
+    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base", 10000.0)}
+    scaling = meta.get("rope.scaling.type", "none")
+    if scaling == "linear":
+        # The converter writes the full-attention layers' linear scaling (Gemma 3 4B and up: factor 8).
+        full_rope = {
+            "rope_type": "linear",
+            "factor": meta.need("rope.scaling.factor"),
+            "rope_theta": full_rope["rope_theta"],
+        }
+    elif scaling not in ("none", None):
+        raise GGUFError(f"{fname}: RoPE scaling {scaling!r} is not supported for gemma3")
+
+    # llama.cpp's attention scale: 1/sqrt(hidden/heads) for the 62-layer 27B, else 1/sqrt(head_dim)
+    # (from gemma_pytorch); HF states the same as query_pre_attn_scalar.
+    query_pre_attn_scalar = hidden // heads if n_layers == 62 else head_dim
+
+    config.update(
+        intermediate_size=meta.uniform("feed_forward_length", required=True),
+        num_key_value_heads=meta.uniform("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta.get("context_length", 131072),
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_window=window if any(swa) else None,
+        layer_types=_layer_types(swa),
+        rope_parameters={
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": meta.get("rope.freq_base_swa", 10000.0),
+            },
+            "full_attention": full_rope,
+        },
+        # Gemma 3 has no attention soft-capping (llama.cpp ignores the key for gemma3).
+        final_logit_softcapping=meta.get("final_logit_softcapping"),
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    return config
+
+
+def _gemma4_config(file: _GGUFFile) -> dict[str, Any]:
+    gguf, fname = file.tensors, file.name
+    meta = _Meta(file.metadata, "gemma4", fname)
+    config = _common(meta, gguf, "gemma4_text", "Gemma4ForCausalLM")
+    n_layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+
+    # The converter writes one bool per layer (True = sliding) and llama.cpp requires it.
+    if not isinstance(meta.get("attention.sliding_window_pattern"), list):
+        raise GGUFError(f"{fname} lacks gemma4.attention.sliding_window_pattern (one bool per layer)")
+    swa = _swa_layers(meta, n_layers, 0)
+    shared = meta.get("attention.shared_kv_layers", 0)
+    first_shared = n_layers - shared
+
+    # Head dims: key_length is the full-attention layers' (HF global_head_dim), key_length_swa the
+    # sliding layers' (HF head_dim).
+    global_head_dim = meta.need("attention.key_length")
+    head_dim = meta.get("attention.key_length_swa", global_head_dim)
+
+    # KV heads: a scalar when both layer types agree, else one count per layer (sliding: HF
+    # num_key_value_heads, full: num_global_key_value_heads).
+    kv = meta.get("attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        sliding_kv = {k for k, s in zip(kv, swa) if s}
+        full_kv = {k for k, s in zip(kv, swa) if not s}
+        if len(sliding_kv) > 1 or len(full_kv) > 1:
+            raise GGUFError(f"{fname}: head_count_kv {kv} is not one value per layer type")
+        num_kv = sliding_kv.pop() if sliding_kv else full_kv.copy().pop()
+        global_kv = full_kv.pop() if full_kv else None
+    else:
+        num_kv, global_kv = kv, None
+
+    # K = V: full-attention layers that compute their own K/V but carry no attn_v.
+    owners = [i for i in range(n_layers) if not swa[i] and i < first_shared]
+    k_eq_v = bool(owners) and all(f"blk.{i}.attn_v.weight" not in gguf for i in owners)
+    if global_kv is not None and global_kv != num_kv and not k_eq_v:
+        raise GGUFError(
+            f"{fname}: full-attention layers have {global_kv} KV heads and sliding ones {num_kv}, which HF "
+            f"Gemma 4 expresses only for K=V models, but the full layers have attn_v tensors"
+        )
+
+    # Dense MLP width: one value, or per layer when KV-shared layers are double width (E2B).
+    ff = meta.need("feed_forward_length")
+    double_wide = False
+    if isinstance(ff, list):
+        base = ff[0]
+        if ff == [base] * n_layers:
+            pass
+        elif ff == [base if i < first_shared else 2 * base for i in range(n_layers)]:
+            double_wide = True
+        else:
+            raise GGUFError(
+                f"{fname}: feed_forward_length {ff} is neither uniform nor double width on KV-shared layers"
+            )
+        ff = base
+
+    # Proportional RoPE on full layers: llama.cpp rotates the first n dims and marks the rest with
+    # frequency factors of 1e30 in rope_freqs (one per rotated pair), so partial_rotary_factor is
+    # 2 * (pairs with factor 1) / head dim.
+    partial = 0.25
+    if "rope_freqs.weight" in gguf:
+        info = gguf["rope_freqs.weight"]
+        factors = dequantize(file.raw(info), info.qtype, info.shape).numpy()
+        partial = 2 * int(np.count_nonzero(factors < 1e20)) / global_head_dim
+
+    ple = meta.get("embedding_length_per_layer_input", 0)
+    ple_table = gguf.get("per_layer_token_embd.weight")
+    experts = meta.get("expert_count", 0) or 0
+
+    config.update(
+        intermediate_size=ff,
+        num_key_value_heads=num_kv,
+        num_global_key_value_heads=global_kv,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        max_position_embeddings=meta.get("context_length", 131072),
+        sliding_window=meta.need("attention.sliding_window"),
+        layer_types=_layer_types(swa),
+        rope_parameters={
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": meta.get("rope.freq_base_swa", 10000.0),
+            },
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": partial,
+                "rope_theta": meta.get("rope.freq_base", 1000000.0),
+            },
+        },
+        final_logit_softcapping=meta.get("final_logit_softcapping"),
+        # Only the multimodal model reads this ("vision" on 26B/31B); GGUF metadata does not record it.
+        use_bidirectional_attention=None,
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=ple_table.shape[0] if ple_table is not None else 262144,
+        attention_k_eq_v=k_eq_v,
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=double_wide,
+        enable_moe_block=experts > 0,
+        num_experts=experts or None,
+        top_k_experts=meta.get("expert_used_count") if experts else None,
+        moe_intermediate_size=meta.uniform("expert_feed_forward_length") if experts else None,
+    )
+    config["eos_token_id"] = _gemma4_eos(file.metadata, config["eos_token_id"])
+    return config
+
+
+def _gemma4_eos(metadata: Mapping[str, Any], eos: int) -> list[int]:
+    """Gemma 4 stops on <eos>, <turn|> and <|tool_response>; GGUF states one eos id.
+
+    The other two are looked up by their text (transformers hard-codes ids [1, 106, 50]).
+    """
+    ids = [eos]
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    for text in ("<turn|>", "<|tool_response>"):
+        try:
+            index = tokens.index(text)
+        except ValueError:
+            continue
+        if index not in ids:
+            ids.append(index)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------
+# Expected shapes (the strict check between metadata and tensors)
+
+# Tensors a file may lack without being wrong.
+_OPTIONAL = ("lm_head.weight",)
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    H, V, L = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    nh, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not config["tie_word_embeddings"]:
+        out["lm_head.weight"] = (V, H)
+    gemma4 = config["model_type"] == "gemma4_text"
+    P = config.get("hidden_size_per_layer_input", 0) if gemma4 else 0
+    if P:
+        out["model.embed_tokens_per_layer.weight"] = (config["vocab_size_per_layer_input"], L * P)
+        out["model.per_layer_model_projection.weight"] = (L * P, H)
+        out["model.per_layer_projection_norm.weight"] = (P,)
+    first_shared = L - config.get("num_kv_shared_layers", 0)
+    for i, kind in enumerate(config["layer_types"]):
+        full = kind == "full_attention"
+        d, kv = config["head_dim"], n_kv
+        if gemma4 and full:
+            d = config["global_head_dim"]
+            if config["attention_k_eq_v"] and config["num_global_key_value_heads"] is not None:
+                kv = config["num_global_key_value_heads"]
+        inter = config["intermediate_size"]
+        if gemma4 and config["use_double_wide_mlp"] and i >= first_shared:
+            inter *= 2
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": (nh * d, H),
+            p + "self_attn.o_proj.weight": (H, nh * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, H),
+            p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+        })  # fmt: skip
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            out[p + norm + ".weight"] = (H,)
+        if i < first_shared:
+            out[p + "self_attn.k_proj.weight"] = (kv * d, H)
+            out[p + "self_attn.k_norm.weight"] = (d,)
+            if not (gemma4 and full and config["attention_k_eq_v"]):
+                out[p + "self_attn.v_proj.weight"] = (kv * d, H)
+        if not gemma4:
+            continue
+        out[p + "layer_scalar"] = (1,)
+        if P:
+            out[p + "per_layer_input_gate.weight"] = (P, H)
+            out[p + "per_layer_projection.weight"] = (H, P)
+            out[p + "post_per_layer_input_norm.weight"] = (H,)
+        if config["enable_moe_block"]:
+            E, Im = config["num_experts"], config["moe_intermediate_size"]
+            out.update({
+                p + "router.proj.weight": (E, H),
+                p + "router.scale": (H,),
+                p + "router.per_expert_scale": (E,),
+                p + "experts.gate_up_proj": (E, 2 * Im, H),
+                p + "experts.down_proj": (E, H, Im),
+                p + "pre_feedforward_layernorm_2.weight": (H,),
+                p + "post_feedforward_layernorm_1.weight": (H,),
+                p + "post_feedforward_layernorm_2.weight": (H,),
+            })  # fmt: skip
+    return out
