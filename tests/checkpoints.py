@@ -90,6 +90,62 @@ TINY_VISION = dict(
 )
 
 
+# Multimodal token ids inside the tiny vocabulary (the published ones are 255999-258884), so that
+# boi/eoi/boa/eoa are real rows of the embedding table. Text tokens are drawn below 250.
+TINY_TOKEN_IDS = dict(
+    boi_token_id=250,
+    eoi_token_id=251,
+    image_token_id=252,
+    audio_token_id=253,
+    boa_token_id=254,
+    eoa_token_index=255,  # sic: transformers' Gemma4Config field name
+    video_token_id=256,
+)
+
+# E2B-like "on-device" towers, sized so that our own processors' outputs fit them: 16 px patches
+# pooled 3x3 (process_images), 128 mel bins into a first conv of 128 channels (process_audio).
+ON_DEVICE_VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    patch_size=16,
+    pooling_kernel_size=3,
+    position_embedding_size=64,
+    use_clipped_linears=True,
+    standardize=False,
+)
+ON_DEVICE_AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    subsampling_conv_channels=[128, 8],
+    conv_kernel_size=5,
+    attention_chunk_size=12,
+    attention_context_left=13,
+    attention_context_right=0,
+    output_proj_dims=24,
+    use_clipped_linears=True,
+)
+# 26B/31B-like "large" tower: no clipping, standardised soft tokens, head_dim not a power of two
+# (72 in the real one), 4 px patches pooled 2x2 (inputs built by hand in the processor's layout).
+LARGE_VISION = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=12,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=32,
+    use_clipped_linears=False,
+    standardize=True,
+)
+
+
 def text_config(style: str):
     from transformers import Gemma4TextConfig
 
@@ -140,6 +196,63 @@ def build_multimodal_checkpoint(folder: Path, style: str, *, seed: int = 0, dtyp
         text_config=text_config(style).to_dict(),
         vision_config=Gemma4VisionConfig(**TINY_VISION).to_dict(),
         audio_config=None,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).to(dtype)
+    randomize_(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def tighten_clip_bounds_(model: torch.nn.Module, seed: int, bound: float = 1.0) -> None:
+    """Clip bounds of about +-bound (each a little different), so that clamping really happens."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("input_min", "input_max", "output_min", "output_max"):
+                value = bound * (1.0 + 0.5 * torch.rand((), generator=gen))
+                buffer.fill_(-value if leaf.endswith("min") else value)
+
+
+def build_omni_checkpoint(folder: Path, *, seed: int = 0, dtype=torch.float32) -> Path:
+    """E2B-like ``gemma4`` checkpoint with vision and audio towers whose clip bounds clamp."""
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4VisionConfig,
+    )
+
+    config = Gemma4Config(
+        text_config=text_config("e2b").to_dict(),
+        vision_config=Gemma4VisionConfig(**ON_DEVICE_VISION).to_dict(),
+        audio_config=Gemma4AudioConfig(**ON_DEVICE_AUDIO).to_dict(),
+        **TINY_TOKEN_IDS,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).to(dtype)
+    randomize_(model, seed)
+    tighten_clip_bounds_(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def build_large_vision_checkpoint(folder: Path, *, seed: int = 0, dtype=torch.float32) -> Path:
+    """31B-like ``gemma4`` checkpoint: K=V text, bidirectional image blocks, large-style vision tower."""
+    from transformers import (
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+        Gemma4VisionConfig,
+    )
+
+    text = Gemma4TextConfig(**{**COMMON, **STYLES["31b"], "use_bidirectional_attention": "vision"})
+    config = Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=Gemma4VisionConfig(**LARGE_VISION).to_dict(),
+        audio_config=None,
+        **TINY_TOKEN_IDS,
     )
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(config).to(dtype)

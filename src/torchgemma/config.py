@@ -73,6 +73,44 @@ DEFAULT_ROPE_PARAMETERS = {
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
 
+# transformers' Gemma4VisionConfig defaults (the "on-device" tower of E2B/E4B) for omitted fields.
+VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "head_dim": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "pooling_kernel_size": 3,
+    "patch_size": 16,
+    "position_embedding_size": 10 * 1024,
+    "use_clipped_linears": False,
+    "standardize": False,
+}
+VISION_ROPE_THETA = 100.0  # transformers' default for the vision tower's axial RoPE
+
+# transformers' Gemma4AudioConfig defaults (the E2B/E4B conformer) for omitted fields.
+AUDIO_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "hidden_act": "silu",
+    "subsampling_conv_channels": [128, 32],
+    "conv_kernel_size": 5,
+    "residual_weight": 0.5,
+    "attention_chunk_size": 12,
+    "attention_context_left": 13,
+    "attention_context_right": 0,
+    "attention_logit_cap": 50.0,
+    "attention_invalid_logits_value": -1.0e9,
+    "use_clipped_linears": True,
+    "rms_norm_eps": 1e-6,
+    "gradient_clipping": 1e10,
+    "output_proj_dims": 1536,
+}
+
 # Multimodal token ids of the gemma4 top-level config (transformers' defaults).
 MULTIMODAL_TOKEN_DEFAULTS = {
     "image_token_id": 258_880,
@@ -190,16 +228,67 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision encoder: a ViT over 2-D patch grids, pooled k x k into soft tokens."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    patch_size: int
+    pooling_kernel_size: int
+    # Rows of the learned (x, y) position table: the widest/tallest grid in patches it can place.
+    position_embedding_size: int
+    rope_theta: float
+    # E2B/E4B: every linear clamps its input and output to bounds stored in the checkpoint.
+    use_clipped_linears: bool
+    # 26B/31B: soft tokens are standardised with a stored bias and scale.
+    standardize: bool
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """The audio encoder: convolutional subsampling, then conformer layers with chunked local attention."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    subsampling_conv_channels: tuple[int, int]
+    conv_kernel_size: int
+    residual_weight: float
+    attention_chunk_size: int
+    attention_context_left: int
+    attention_context_right: int
+    attention_logit_cap: float
+    attention_invalid_logits_value: float
+    use_clipped_linears: bool
+    rms_norm_eps: float
+    gradient_clipping: float
+    output_proj_dims: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """A whole checkpoint: the text decoder plus the (not yet built) vision and audio towers."""
+    """A whole checkpoint: the text decoder plus, for ``gemma4``, its vision and audio towers."""
 
     model_type: str
     text: TextConfig
+    # The raw ``vision_config`` / ``audio_config`` objects of config.json (None when absent).
     vision: dict | None
     audio: dict | None
     token_ids: dict[str, int]
     # The checkpoint's own dtype ("bfloat16", ...), when config.json names one.
     dtype: str | None
+    # The towers the model builds, parsed from ``vision`` / ``audio``.
+    vision_config: VisionConfig | None = None
+    audio_config: AudioConfig | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -241,6 +330,9 @@ class ModelConfig:
         else:
             text_data, vision, audio, token_ids = data, None, None, {}
         dtype = data.get("dtype") or data.get("torch_dtype") or text_data.get("dtype")
+        for name, sub in (("vision_config", vision), ("audio_config", audio)):
+            if sub is not None and not isinstance(sub, dict):
+                raise ConfigError(f"{name} must be an object or null, got {type(sub).__name__}")
         return cls(
             model_type=model_type,
             text=_text_config_from_hf(text_data),
@@ -248,6 +340,8 @@ class ModelConfig:
             audio=audio,
             token_ids=token_ids,
             dtype=dtype,
+            vision_config=None if vision is None else _vision_config_from_hf(vision),
+            audio_config=None if audio is None else _audio_config_from_hf(audio),
         )
 
 
@@ -365,6 +459,86 @@ def _text_config_from_hf(data: dict) -> TextConfig:
         top_k_experts=data.get("top_k_experts") if moe else None,
         moe_intermediate_size=data.get("moe_intermediate_size") if moe else None,
         layers=layers,
+    )
+
+
+def _vision_config_from_hf(data: dict) -> VisionConfig:
+    v = {**VISION_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
+    ints = {
+        key: _positive_int(v, key)
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "patch_size",
+            "pooling_kernel_size",
+            "position_embedding_size",
+        )
+    }
+    if v["hidden_activation"] not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"vision_config: unsupported hidden_activation {v['hidden_activation']!r}")
+    if ints["num_attention_heads"] % ints["num_key_value_heads"]:
+        raise ConfigError("vision_config: num_attention_heads must be a multiple of num_key_value_heads")
+    if ints["head_dim"] % 4:
+        # The head is split in two halves (x, y), each rotated in half-split pairs.
+        raise ConfigError(f"vision_config: head_dim must be a multiple of 4, got {ints['head_dim']}")
+    rope = v.get("rope_parameters") or {}
+    # transformers rewrites the json's "default" to "axial" for the vision tower.
+    if rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise ConfigError(f"vision_config: unsupported rope_type {rope.get('rope_type')!r} (axial only)")
+    theta = rope.get("rope_theta", VISION_ROPE_THETA)
+    return VisionConfig(
+        **ints,
+        rms_norm_eps=float(v["rms_norm_eps"]),
+        rope_theta=float(theta),
+        use_clipped_linears=bool(v["use_clipped_linears"]),
+        standardize=bool(v["standardize"]),
+    )
+
+
+def _audio_config_from_hf(data: dict) -> AudioConfig:
+    a = {**AUDIO_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
+    ints = {
+        key: _positive_int(a, key)
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "conv_kernel_size",
+            "attention_chunk_size",
+            "attention_context_left",
+            "output_proj_dims",
+        )
+    }
+    right = a["attention_context_right"]
+    if isinstance(right, bool) or not isinstance(right, int) or right < 0:
+        raise ConfigError(f"audio_config: attention_context_right must be >= 0, got {right!r}")
+    channels = a["subsampling_conv_channels"]
+    if (
+        not isinstance(channels, list | tuple)
+        or len(channels) != 2
+        or not all(isinstance(c, int) and c > 0 for c in channels)
+    ):
+        raise ConfigError(
+            f"audio_config: subsampling_conv_channels must be two positive ints, got {channels!r}"
+        )
+    if a["hidden_act"] != "silu":
+        raise ConfigError(f"audio_config: unsupported hidden_act {a['hidden_act']!r} (silu only)")
+    if ints["hidden_size"] % ints["num_attention_heads"]:
+        raise ConfigError("audio_config: hidden_size must be a multiple of num_attention_heads")
+    return AudioConfig(
+        **ints,
+        attention_context_right=right,
+        subsampling_conv_channels=(int(channels[0]), int(channels[1])),
+        residual_weight=float(a["residual_weight"]),
+        attention_logit_cap=float(a["attention_logit_cap"]),
+        attention_invalid_logits_value=float(a["attention_invalid_logits_value"]),
+        use_clipped_linears=bool(a["use_clipped_linears"]),
+        rms_norm_eps=float(a["rms_norm_eps"]),
+        gradient_clipping=float(a["gradient_clipping"]),
     )
 
 

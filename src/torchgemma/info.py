@@ -1,8 +1,7 @@
 """What a checkpoint costs, from its config.json alone: parameter counts and memory.
 
-The text tower is counted by building our own model on the meta device (no memory, no weights),
-so the count is exactly what ``load`` will allocate. The vision and audio towers are counted from
-the tensor shapes their checkpoints carry (reference notes §7.2, §7.3).
+Every tower is counted by building our own model on the meta device (no memory, no weights), so
+the count is exactly what ``load`` will allocate.
 """
 
 from __future__ import annotations
@@ -17,29 +16,11 @@ from .model import Gemma
 
 GIB = 2**30
 
-# transformers' Gemma4VisionConfig / Gemma4AudioConfig defaults, for fields a config.json omits.
-VISION_DEFAULTS = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    head_dim=64,
-    patch_size=16,
-    position_embedding_size=10240,
-    use_clipped_linears=False,
-    standardize=False,
-)
-AUDIO_DEFAULTS = dict(
-    hidden_size=1024,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    subsampling_conv_channels=[128, 32],
-    conv_kernel_size=5,
-    output_proj_dims=1536,
-    use_clipped_linears=True,
-)
-CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+# Which tower a module path belongs to; everything else is the language model (and its head).
+TOWER_PREFIXES = {
+    "vision": ("vision_tower.", "embed_vision."),
+    "audio": ("audio_tower.", "embed_audio."),
+}
 
 
 @dataclass(frozen=True)
@@ -54,106 +35,18 @@ class TensorShape:
         return math.prod(self.shape)
 
 
-def text_tensors(config: ModelConfig) -> list[TensorShape]:
+def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
+    """Every parameter and persistent buffer of the model ``load`` builds, grouped by tower."""
     with torch.device("meta"):
         model = Gemma(config)
     persistent = set(model.state_dict())
-    params = [TensorShape(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    buffers = [TensorShape(n, tuple(b.shape), True) for n, b in model.named_buffers() if n in persistent]
-    return params + buffers
-
-
-def _clippable(prefix: str, out_features: int, in_features: int, clipped: bool) -> list[TensorShape]:
-    tensors = [TensorShape(f"{prefix}.linear.weight", (out_features, in_features))]
-    if clipped:
-        tensors += [TensorShape(f"{prefix}.{bound}", (), True) for bound in CLIP_BOUNDS]
-    return tensors
-
-
-def vision_tensors(vision: dict, text_hidden: int) -> list[TensorShape]:
-    v = {**VISION_DEFAULTS, **{k: val for k, val in vision.items() if val is not None}}
-    d, mlp, heads, kv, hd = (
-        v["hidden_size"],
-        v["intermediate_size"],
-        v["num_attention_heads"],
-        v["num_key_value_heads"],
-        v["head_dim"],
-    )
-    clipped = bool(v["use_clipped_linears"])
-    t = [
-        TensorShape("vision_tower.patch_embedder.input_proj.weight", (d, 3 * v["patch_size"] ** 2)),
-        TensorShape(
-            "vision_tower.patch_embedder.position_embedding_table", (2, v["position_embedding_size"], d)
-        ),
-    ]
-    for i in range(v["num_hidden_layers"]):
-        p = f"vision_tower.encoder.layers.{i}"
-        for name, out_f, in_f in (
-            ("q_proj", heads * hd, d),
-            ("k_proj", kv * hd, d),
-            ("v_proj", kv * hd, d),
-            ("o_proj", d, heads * hd),
-        ):
-            t += _clippable(f"{p}.self_attn.{name}", out_f, in_f, clipped)
-        t += [TensorShape(f"{p}.self_attn.{n}.weight", (hd,)) for n in ("q_norm", "k_norm")]
-        for name, out_f, in_f in (("gate_proj", mlp, d), ("up_proj", mlp, d), ("down_proj", d, mlp)):
-            t += _clippable(f"{p}.mlp.{name}", out_f, in_f, clipped)
-        norms = (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        )
-        t += [TensorShape(f"{p}.{n}.weight", (d,)) for n in norms]
-    if v["standardize"]:
-        t += [
-            TensorShape("vision_tower.std_bias", (d,), True),
-            TensorShape("vision_tower.std_scale", (d,), True),
-        ]
-    t.append(TensorShape("embed_vision.embedding_projection.weight", (text_hidden, d)))
-    return t
-
-
-def audio_tensors(audio: dict, text_hidden: int) -> list[TensorShape]:
-    a = {**AUDIO_DEFAULTS, **{k: val for k, val in audio.items() if val is not None}}
-    h, heads, kernel = a["hidden_size"], a["num_attention_heads"], a["conv_kernel_size"]
-    c0, c1 = a["subsampling_conv_channels"]
-    clipped = bool(a["use_clipped_linears"])
-    s = "audio_tower.subsample_conv_projection"
-    t = [
-        TensorShape(f"{s}.layer0.conv.weight", (c0, 1, 3, 3)),
-        TensorShape(f"{s}.layer0.norm.weight", (c0,)),
-        TensorShape(f"{s}.layer1.conv.weight", (c1, c0, 3, 3)),
-        TensorShape(f"{s}.layer1.norm.weight", (c1,)),
-        TensorShape(f"{s}.input_proj_linear.weight", (h, (c0 // 4) * c1)),
-    ]
-    for i in range(a["num_hidden_layers"]):
-        p = f"audio_tower.layers.{i}"
-        for ffw in ("feed_forward1", "feed_forward2"):
-            t += _clippable(f"{p}.{ffw}.ffw_layer_1", 4 * h, h, clipped)
-            t += _clippable(f"{p}.{ffw}.ffw_layer_2", h, 4 * h, clipped)
-            t += [TensorShape(f"{p}.{ffw}.{n}.weight", (h,)) for n in ("pre_layer_norm", "post_layer_norm")]
-        for name in ("q_proj", "k_proj", "v_proj", "post"):
-            t += _clippable(f"{p}.self_attn.{name}", h, h, clipped)
-        t += [
-            TensorShape(f"{p}.self_attn.relative_k_proj.weight", (h, h)),
-            TensorShape(f"{p}.self_attn.per_dim_scale", (h // heads,)),
-        ]
-        t += _clippable(f"{p}.lconv1d.linear_start", 2 * h, h, clipped)
-        t += _clippable(f"{p}.lconv1d.linear_end", h, h, clipped)
-        t += [
-            TensorShape(f"{p}.lconv1d.depthwise_conv1d.weight", (h, 1, kernel)),
-            TensorShape(f"{p}.lconv1d.pre_layer_norm.weight", (h,)),
-            TensorShape(f"{p}.lconv1d.conv_norm.weight", (h,)),
-        ]
-        t += [TensorShape(f"{p}.{n}.weight", (h,)) for n in ("norm_pre_attn", "norm_post_attn", "norm_out")]
-    out = a["output_proj_dims"]
-    t += [
-        TensorShape("audio_tower.output_proj.weight", (out, h)),
-        TensorShape("audio_tower.output_proj.bias", (out,)),
-    ]
-    t.append(TensorShape("embed_audio.embedding_projection.weight", (text_hidden, out)))
-    return t
+    tensors = [TensorShape(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    tensors += [TensorShape(n, tuple(b.shape), True) for n, b in model.named_buffers() if n in persistent]
+    towers: dict[str, list[TensorShape]] = {"language_model": []}
+    for tensor in tensors:
+        tower = next((t for t, prefixes in TOWER_PREFIXES.items() if tensor.name.startswith(prefixes)), None)
+        towers.setdefault(tower or "language_model", []).append(tensor)
+    return towers
 
 
 def weight_bytes(tensors: list[TensorShape], scheme: str) -> int:
@@ -197,11 +90,7 @@ def describe(
     kv_dtype = dtype or {"float32": torch.float32, "float16": torch.float16}.get(
         config.dtype or "", torch.bfloat16
     )
-    towers = {"language_model": text_tensors(config)}
-    if config.vision is not None:
-        towers["vision"] = vision_tensors(config.vision, text.hidden_size)
-    if config.audio is not None:
-        towers["audio"] = audio_tensors(config.audio, text.hidden_size)
+    towers = model_tensors(config)
     everything = [t for tensors in towers.values() for t in tensors]
 
     def count(tensors):

@@ -17,8 +17,6 @@ from torch import nn
 
 from .config import ModelConfig
 
-# Towers whose modules do not exist yet: their weights are read past, not loaded.
-NOT_YET_BUILT = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 SHARED_KV_PARAMS = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
@@ -33,10 +31,8 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = "language_model." + name[len("model.language_model.") :]
     elif name.startswith("model.") and config.model_type == "gemma4_text":  # Gemma4ForCausalLM checkpoints
         name = "language_model." + name[len("model.") :]
-    elif name.startswith("model."):
+    elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
         name = name[len("model.") :]
-    if name.startswith(NOT_YET_BUILT):
-        return None  # vision/audio towers: loaded once the towers exist
     if name == "lm_head.weight" and text.tie_word_embeddings:
         return None  # tied to embed_tokens; some exports write the copy anyway
     parts = name.split(".")

@@ -1,7 +1,8 @@
-"""The whole model: the text decoder and its head (the vision and audio towers join here later).
+"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``.
 
 Module names follow the checkpoint's tensor names with the ``model.`` prefix removed
-(``language_model.layers.3.self_attn.q_proj.weight``), so loading is an identity mapping.
+(``language_model.layers.3.self_attn.q_proj.weight``, ``vision_tower.encoder.layers.0...``,
+``embed_audio.embedding_projection.weight``), so loading is an identity mapping.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from torch import nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
+from .audio import AudioTower
+from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
 from .text import TextModel
+from .vision import VisionTower
 
 
 class Gemma(nn.Module):
@@ -20,6 +24,7 @@ class Gemma(nn.Module):
 
     ``model(input_ids, attention_mask=None)`` returns soft-capped logits ``(B, T, vocab)``. For
     incremental decoding pass a cache from ``make_cache``: each call appends its tokens to it.
+    Images, video frames and audio are passed as transformers' Gemma 4 processor returns them.
     """
 
     def __init__(self, config: ModelConfig):
@@ -29,6 +34,16 @@ class Gemma(nn.Module):
         self.language_model = TextModel(text)
         if not text.tie_word_embeddings:
             self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        if config.vision_config is not None:
+            vision = config.vision_config
+            self.vision_tower = VisionTower(vision)
+            self.embed_vision = MultimodalEmbedder(vision.hidden_size, text.hidden_size, vision.rms_norm_eps)
+        if config.audio_config is not None:
+            audio = config.audio_config
+            self.audio_tower = AudioTower(audio)
+            self.embed_audio = MultimodalEmbedder(
+                audio.output_proj_dims, text.hidden_size, audio.rms_norm_eps
+            )
 
     @property
     def device(self) -> torch.device:
@@ -42,11 +57,73 @@ class Gemma(nn.Module):
         """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens (prompt included)."""
         return KVCache(self.config.text, batch_size, max_len, dtype=self.dtype, device=self.device)
 
+    # ── soft tokens ──────────────────────────────────────────────────────────────────────────
+
+    def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
+        if self.config.vision_config is None:
+            raise ValueError("this checkpoint has no vision tower (config.json has no vision_config)")
+        if position_ids is None:
+            raise ValueError(
+                "pixel values need their patch positions (image_position_ids / video_position_ids)"
+            )
+        soft = self.vision_tower(pixel_values.to(self.device), position_ids.to(self.device))
+        return self.embed_vision(soft)
+
+    def audio_features(self, input_features: torch.Tensor, input_features_mask: torch.Tensor) -> torch.Tensor:
+        """Log-mel features (B, T, F) and frame mask (B, T) -> the valid frames' soft tokens (n, H)."""
+        if self.config.audio_config is None:
+            raise ValueError("this checkpoint has no audio tower (config.json has no audio_config)")
+        frames, valid = self.audio_tower(input_features.to(self.device), input_features_mask.to(self.device))
+        # Projected over the whole padded batch, then the valid frames kept, as the reference.
+        return self.embed_audio(frames)[valid]
+
+    def embed_multimodal(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text embeddings with soft tokens scattered in (B, T, H), and the ids for the per-layer table.
+
+        Placeholder positions are embedded as the pad token first (the pad id also picks their
+        per-layer embedding row), then overwritten in sequence order by the soft tokens. A
+        placeholder without media keeps the pad embedding, as in the reference.
+        """
+        masks = placeholder_masks(input_ids, self.config.token_ids)
+        placeholders = masks["image"] | masks["video"] | masks["audio"]
+        text_ids = input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
+        embeds = self.language_model.embed(text_ids)
+        if pixel_values is not None:
+            soft = self.image_features(pixel_values, image_position_ids)
+            embeds = scatter_soft_tokens(embeds, masks["image"], soft, "image")
+        if pixel_values_videos is not None:
+            soft = self.image_features(pixel_values_videos, video_position_ids)
+            embeds = scatter_soft_tokens(embeds, masks["video"], soft, "video")
+        if input_features is not None:
+            soft = self.audio_features(input_features, input_features_mask)
+            embeds = scatter_soft_tokens(embeds, masks["audio"], soft, "audio")
+        return embeds, text_ids
+
+    # ── forward ──────────────────────────────────────────────────────────────────────────────
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
         *,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_position_ids: torch.Tensor | None = None,
+        num_frames_per_video: torch.Tensor | list[int] | None = None,
         cache: KVCache | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
@@ -56,10 +133,69 @@ class Gemma(nn.Module):
         with a cache, earlier tokens' padding is remembered by the cache. ``logits_to_keep=n > 0``
         computes only the last ``n`` positions (and skips the rest through the KV-shared layers,
         which write no cache).
+
+        Multimodal inputs, as transformers' Gemma 4 processor returns them: ``pixel_values``
+        ``(n_images, N, 3p²)`` with ``image_position_ids`` ``(n_images, N, 2)``; ``input_features``
+        ``(n_clips, frames, mel)`` with ``input_features_mask`` ``(n_clips, frames)``;
+        ``pixel_values_videos`` / ``video_position_ids`` (all frames of all videos concatenated;
+        ``num_frames_per_video`` is only checked). Soft tokens fill the ``<|image|>`` /
+        ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
+        on bidirectional attention inside each image on sliding layers, for checkpoints with
+        ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the prompt only.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-        hidden = self.language_model(input_ids, attention_mask, cache, keep_last=logits_to_keep)
+        media = {
+            "pixel_values": pixel_values,
+            "input_features": input_features,
+            "pixel_values_videos": pixel_values_videos,
+        }
+        if self.config.model_type != "gemma4":
+            given = [name for name, value in media.items() if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} given, but a text-only checkpoint has no towers")
+            hidden = self.language_model(input_ids, attention_mask, cache, keep_last=logits_to_keep)
+            return self._logits(hidden)
+
+        if (input_features is None) != (input_features_mask is None):
+            raise ValueError(
+                "input_features and input_features_mask go together (the processor returns both)"
+            )
+        if pixel_values_videos is not None and num_frames_per_video is not None:
+            frames = int(sum(int(n) for n in num_frames_per_video))
+            if frames != pixel_values_videos.shape[0]:
+                raise ValueError(
+                    f"num_frames_per_video sums to {frames} but pixel_values_videos has "
+                    f"{pixel_values_videos.shape[0]} frames"
+                )
+        embeds, text_ids = self.embed_multimodal(
+            input_ids,
+            pixel_values,
+            image_position_ids,
+            input_features,
+            input_features_mask,
+            pixel_values_videos,
+            video_position_ids,
+        )
+        blocks = None
+        if mm_token_type_ids is not None and self.config.text.use_bidirectional_attention == "vision":
+            if mm_token_type_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)}, "
+                    f"input_ids {tuple(input_ids.shape)}"
+                )
+            blocks = vision_block_ids(mm_token_type_ids.to(input_ids.device))
+        hidden = self.language_model(
+            text_ids,
+            attention_mask,
+            cache,
+            keep_last=logits_to_keep,
+            inputs_embeds=embeds,
+            vision_blocks=blocks,
+        )
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (
             self.language_model.embed_tokens.weight
             if self.config.text.tie_word_embeddings

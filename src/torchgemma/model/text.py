@@ -34,11 +34,11 @@ def scale_in_dtype(value: float, dtype: torch.dtype) -> float:
 
 
 def eager_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Softmax attention with scale 1 (the QK norms replace 1/√D) and an additive mask.
 
-    query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S). Returns (B, T, H, D).
+    query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S) or None. Returns (B, T, H, D).
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
@@ -46,7 +46,9 @@ def eager_attention(
         b, hkv, s, d = key.shape
         key = key[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
         value = value[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
-    scores = torch.matmul(query, key.transpose(2, 3)) + mask  # (B, H, T, S)
+    scores = torch.matmul(query, key.transpose(2, 3))  # (B, H, T, S)
+    if mask is not None:
+        scores = scores + mask
     # Softmax in float32, then back to the model dtype before the product with V, as the reference.
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
@@ -241,18 +243,29 @@ class RotaryTables(nn.Module):
 
 
 def build_mask(
-    query_slots: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor, window: int | None, dtype
+    query_slots: torch.Tensor,
+    key_slots: torch.Tensor,
+    key_valid: torch.Tensor,
+    window: int | None,
+    dtype,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Additive mask (B, 1, T, S): 0 where a query may attend, the dtype's minimum elsewhere.
 
     Slots are absolute indices in the (padded) sequence. A query sees keys at or before it, within
-    ``window`` keys including itself on sliding layers, and never padding keys.
+    ``window`` keys including itself on sliding layers, and never padding keys. ``blocks`` =
+    (query block ids (B, T), key block ids (B, S)): a query also sees later keys of its own block
+    (id >= 0), still within the window's reach into the past.
     """
     q, k = query_slots[:, None], key_slots[None, :]
-    allowed = k <= q
+    allowed = (k <= q)[None]  # (1, T, S)
+    if blocks is not None:
+        query_block, key_block = blocks
+        same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
+        allowed = allowed | same_block  # (B, T, S)
     if window is not None:
         allowed = allowed & (k > q - window)
-    allowed = allowed[None] & key_valid[:, None, :]  # (B, T, S)
+    allowed = allowed & key_valid[:, None, :]  # (B, T, S)
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
@@ -296,8 +309,17 @@ class TextModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         keep_last: int = 0,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        vision_blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> final hidden states (B, T', H), T' = keep_last or T."""
+        """input_ids (B, T) -> final hidden states (B, T', H), T' = keep_last or T.
+
+        ``inputs_embeds`` (B, T, H) replaces ``embed(input_ids)`` (the multimodal model passes the
+        embeddings with soft tokens scattered in); ``input_ids`` then only pick the per-layer
+        embedding rows. ``vision_blocks`` (B, T): image-block ids (-1 = none) of this call's tokens;
+        sliding layers let the tokens of one block attend to each other in both directions.
+        """
         cfg = self.config
         batch, length = input_ids.shape
         device = input_ids.device
@@ -330,12 +352,16 @@ class TextModel(nn.Module):
         else:
             key_valid = valid
 
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.has_per_layer_inputs else None
 
         dtype = x.dtype
         query_slots = torch.arange(start, start + length, device=device)
         rope = self.rotary(positions, dtype)
+        if vision_blocks is not None:
+            # Keys from earlier calls belong to no block: blocks are this call's tokens.
+            block_of_slot = torch.full((batch, start + length), -1, dtype=torch.long, device=device)
+            block_of_slot[:, start:] = vision_blocks.to(device)
         masks = {}
         for layer_type, first in ((t, cfg.layer_types.index(t)) for t in cfg.rope):
             spec = cfg.layers[first]
@@ -343,8 +369,12 @@ class TextModel(nn.Module):
                 key_slots = query_slots
             else:
                 key_slots = cache.layers[first].key_slots(start, length, device)
+            # Image blocks are bidirectional on sliding layers only; full layers stay causal.
+            blocks = None
+            if vision_blocks is not None and spec.is_sliding:
+                blocks = (block_of_slot[:, start:], block_of_slot[:, key_slots])
             masks[layer_type] = build_mask(
-                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype
+                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype, blocks
             )
 
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
