@@ -149,6 +149,6 @@ def test_config_file_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json is not valid JSON"):
         ModelConfig.from_file(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(broken(E2B, model_type="gemma3")))
-    with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gemma3'"):
+    (tmp_path / "config.json").write_text(json.dumps(broken(E2B, model_type="gemma2")))
+    with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gemma2'"):
         ModelConfig.from_file(tmp_path)

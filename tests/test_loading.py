@@ -123,7 +123,7 @@ def test_hub_id_downloads_with_huggingface_hub(text_checkpoints, monkeypatch):
 
 
 def test_missing_source(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub repository id"):
+    with pytest.raises(FileNotFoundError, match="neither a local folder or .gguf file, a hub repository id"):
         torchgemma.load(str(tmp_path / "nothing" / "here"))
 
 

@@ -30,8 +30,8 @@ LayerType = Literal["sliding_attention", "full_attention"]
 # "reuse": no k/v weights and no cache; attends to its source layer's keys and values.
 KVRole = Literal["own", "store", "reuse"]
 
-SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
-SUPPORTED_ROPE_TYPES = ("default", "proportional")
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
 # The text model's shape: without these a checkpoint cannot be built, so no default is guessed.
 REQUIRED_TEXT_FIELDS = (
@@ -151,9 +151,14 @@ class RopeSpec:
             still = self.head_dim // 2 - rotated
             if still > 0:
                 inv = torch.cat((inv, torch.zeros(still, dtype=torch.float32)))
+        elif self.rope_type == "linear":
+            # Position interpolation (Gemma 3's global layers): default frequencies / factor.
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            inv = 1.0 / (self.theta**exponents)
         else:
             raise ConfigError(f"unsupported rope_type {self.rope_type!r}")
-        return inv / self.factor
+        # The reference's default rope ignores any `factor`; the scaled types divide by it.
+        return inv if self.rope_type == "default" else inv / self.factor
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,15 @@ class TextConfig:
     top_k_experts: int | None
     moe_intermediate_size: int | None
     layers: tuple[LayerSpec, ...]
+    # Numerics in which Gemma 3 differs from Gemma 4, written down as data (Gemma 4 values by default).
+    # Gemma 1-3 RMSNorm: rsqrt and a (1 + w) scale, the checkpoint storing w.
+    norm_plus_one: bool = False
+    # Multiplies q·k: 1 in Gemma 4 (the QK norms replace 1/sqrt(d)); query_pre_attn_scalar^-1/2 in Gemma 3.
+    attention_scale: float = 1.0
+    use_v_norm: bool = True
+    use_layer_scalar: bool = True
+    # Encoder-style attention (EmbeddingGemma): full layers see every key, sliding layers |q - k| < window.
+    bidirectional: bool = False
 
     @property
     def has_per_layer_inputs(self) -> bool:
@@ -316,10 +330,10 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; torchgemma builds {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if model_type == "gemma4":
+        if model_type in ("gemma4", "gemma3"):
             text_data = data.get("text_config")
             if not isinstance(text_data, dict):
-                raise ConfigError("model_type 'gemma4' needs a 'text_config' object")
+                raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
             text_data = dict(text_data)
             # The top level decides weight tying for the multimodal model.
             if "tie_word_embeddings" in data:
@@ -327,6 +341,9 @@ class ModelConfig:
             vision = data.get("vision_config")
             audio = data.get("audio_config")
             token_ids = {k: int(data.get(k, v)) for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()}
+            if model_type == "gemma3":
+                # Only Gemma 3's text model is built; its (SigLIP) vision tower is not.
+                vision, audio, token_ids = None, None, {}
         else:
             text_data, vision, audio, token_ids = data, None, None, {}
         dtype = data.get("dtype") or data.get("torch_dtype") or text_data.get("dtype")
@@ -335,7 +352,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be an object or null, got {type(sub).__name__}")
         return cls(
             model_type=model_type,
-            text=_text_config_from_hf(text_data),
+            text=_text_config_from_hf(text_data, gemma3=model_type.startswith("gemma3")),
             vision=vision,
             audio=audio,
             token_ids=token_ids,
@@ -345,10 +362,13 @@ class ModelConfig:
         )
 
 
-def _text_config_from_hf(data: dict) -> TextConfig:
+def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
     missing = [key for key in REQUIRED_TEXT_FIELDS if data.get(key) is None]
     if missing:
         raise ConfigError(f"text config is missing required field(s): {', '.join(missing)}")
+    numerics: dict[str, Any] = {}
+    if gemma3:
+        data, numerics = _gemma3_as_gemma4_fields(data)
     get = {**TEXT_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k in TEXT_DEFAULTS}}.get
 
     num_layers = _positive_int(data, "num_hidden_layers")
@@ -367,7 +387,7 @@ def _text_config_from_hf(data: dict) -> TextConfig:
             f"use_bidirectional_attention={bidirectional!r} is not supported (None or 'vision' are)"
         )
 
-    layer_types = _layer_types(data, num_layers)
+    layer_types = _layer_types(data, num_layers, force_last_full=not gemma3)
     rope = _rope_specs(data, layer_types, head_dim)
     geometry = _per_layer_geometry(data, layer_types, head_dim, num_kv_heads)
     for index, (layer_head_dim, layer_kv_heads) in enumerate(geometry):
@@ -459,7 +479,64 @@ def _text_config_from_hf(data: dict) -> TextConfig:
         top_k_experts=data.get("top_k_experts") if moe else None,
         moe_intermediate_size=data.get("moe_intermediate_size") if moe else None,
         layers=layers,
+        **numerics,
     )
+
+
+def _gemma3_as_gemma4_fields(data: dict) -> tuple[dict, dict[str, Any]]:
+    """A Gemma 3 text config as the fields above, plus the numerics in which Gemma 3 differs.
+
+    Gemma 3 has one head geometry for both layer types, no PLE, KV sharing or MoE, and carries its
+    RoPE settings in older keys (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``) that
+    transformers folds into per-type ``rope_parameters``; so do we.
+    """
+    d = dict(data)
+    bidirectional = bool(d.get("use_bidirectional_attention") or False)
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        raise ConfigError("sliding_window must be set for Gemma 3")
+    if bidirectional:
+        # transformers halves the window of bidirectional models (and writes the original back on save).
+        window = window // 2 + 1
+    if d.get("layer_types") is None:
+        pattern = d.get("sliding_window_pattern", 6)
+        d["layer_types"] = [
+            FULL if (i + 1) % pattern == 0 else SLIDING for i in range(d["num_hidden_layers"])
+        ]
+    rope = {k: dict(v) for k, v in (d.get("rope_parameters") or {}).items() if isinstance(v, dict)}
+    full = rope.setdefault(FULL, {"rope_type": "default"})
+    if isinstance(d.get("rope_scaling"), dict):
+        full.update(d["rope_scaling"])
+    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    rope.setdefault(SLIDING, {"rope_type": "default"}).setdefault(
+        "rope_theta", d.get("rope_local_base_freq", 10_000.0)
+    )
+    for params in rope.values():
+        if "type" in params and "rope_type" not in params:  # the oldest spelling
+            params["rope_type"] = params.pop("type")
+    d.update(
+        sliding_window=window,
+        rope_parameters=rope,
+        global_head_dim=d["head_dim"],
+        num_global_key_value_heads=None,
+        use_bidirectional_attention=None,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        enable_moe_block=False,
+        attention_k_eq_v=False,
+        use_double_wide_mlp=False,
+    )
+    d.pop("per_layer_config", None)
+    # attn_logit_softcapping is read by transformers 5.23 but never applied (published Gemma 3
+    # configs set it to null): the reference ignores it, and so do we.
+    numerics = dict(
+        norm_plus_one=True,
+        attention_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        use_v_norm=False,
+        use_layer_scalar=False,
+        bidirectional=bidirectional,
+    )
+    return d, numerics
 
 
 def _vision_config_from_hf(data: dict) -> VisionConfig:
@@ -549,7 +626,7 @@ def _positive_int(data: dict, key: str) -> int:
     return value
 
 
-def _layer_types(data: dict, num_layers: int) -> list[str]:
+def _layer_types(data: dict, num_layers: int, force_last_full: bool = True) -> list[str]:
     types = data.get("layer_types")
     if types is None:
         # transformers' default: every sixth layer is full attention (5:1).
@@ -560,8 +637,8 @@ def _layer_types(data: dict, num_layers: int) -> list[str]:
     unknown = sorted({t for t in types if t not in (SLIDING, FULL)})
     if unknown:
         raise ConfigError(f"unknown layer type(s) {unknown}; expected {SLIDING!r} or {FULL!r}")
-    if types[-1] != FULL:
-        # transformers forces the last layer to full attention (with a warning); do the same so that
+    if force_last_full and types[-1] != FULL:
+        # Gemma 4: transformers forces the last layer to full attention (with a warning); do the same so that
         # the same config.json describes the same model.
         warnings.warn(
             "the last layer must be full attention; treating it as full, as transformers does", stacklevel=3

@@ -431,7 +431,12 @@ class StreamDecoder:
 
 
 def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
-    """Load the tokenizer of a checkpoint folder, or of a hub repo id (tokenizer files only)."""
+    """Load the tokenizer of a checkpoint folder, a hub repo id (tokenizer files only), a GGUF file
+    (built from its vocabulary) or a named model such as ``gemma3-270m``."""
+    from .loading import SHORTCUTS, resolve_source
+
+    if str(path_or_id) in SHORTCUTS or str(path_or_id).endswith(".gguf"):
+        return _gguf_tokenizer(resolve_source(str(path_or_id)))
     folder = _resolve_folder(path_or_id, revision)
     config = _read_json(folder, "tokenizer_config.json")
     data = _read_json(folder, "tokenizer.json")
@@ -458,6 +463,23 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
         chat_template=_chat_templates(folder, config),
         clean_up_tokenization_spaces=clean_up,
         name_or_path=str(path_or_id),
+    )
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    from .gguf_tokenizer import tokenizer_from_gguf
+
+    backend, info = tokenizer_from_gguf(path)
+    return Tokenizer(
+        backend,
+        bos_id=info.bos_id,
+        eos_id=info.eos_id,
+        pad_id=info.pad_id,
+        unk_id=info.unk_id,
+        add_bos=info.add_bos,
+        add_eos=info.add_eos,
+        chat_template=info.chat_template,
+        name_or_path=str(path),
     )
 
 

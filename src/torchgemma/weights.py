@@ -29,10 +29,12 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
     text = config.text
     if name.startswith("model.language_model."):  # gemma4 (multimodal) checkpoints
         name = "language_model." + name[len("model.language_model.") :]
-    elif name.startswith("model.") and config.model_type == "gemma4_text":  # Gemma4ForCausalLM checkpoints
+    elif name.startswith("model.") and config.model_type in ("gemma4_text", "gemma3_text"):  # *ForCausalLM
         name = "language_model." + name[len("model.") :]
     elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
         name = name[len("model.") :]
+    if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
+        return None  # Gemma 3: only the text model is built
     if name == "lm_head.weight" and text.tie_word_embeddings:
         return None  # tied to embed_tokens; some exports write the copy anyway
     parts = name.split(".")

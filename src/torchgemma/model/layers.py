@@ -12,17 +12,25 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; Gemma 4 stores the scale itself (no ``1 + w``)."""
+    """RMSNorm computed in float32; Gemma 4 stores the scale itself (no ``1 + w``).
 
-    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+    ``plus_one`` is the Gemma 1-3 variant: the checkpoint stores ``w`` and the scale is ``1 + w``,
+    normalised with rsqrt, as in transformers' Gemma3RMSNorm.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True, plus_one: bool = False):
         super().__init__()
         self.eps = eps
         self.with_scale = with_scale
+        self.plus_one = plus_one
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
+        if self.plus_one:
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         # pow(., -0.5) rather than rsqrt: the reference chose it to agree with JAX, and rsqrt can
         # differ in the last ulp.
         normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)

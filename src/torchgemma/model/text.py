@@ -25,6 +25,11 @@ from ..config import LayerSpec, RopeSpec, TextConfig
 from .layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin
 
 
+def text_norm(config: TextConfig, dim: int) -> RMSNorm:
+    """The decoder's RMSNorm with a weight, in the variant of the model's generation."""
+    return RMSNorm(dim, config.rms_norm_eps, plus_one=config.norm_plus_one)
+
+
 def scale_in_dtype(value: float, dtype: torch.dtype) -> float:
     """``value`` rounded to ``dtype``: the reference keeps embedding scales as tensors of the weight dtype."""
     return float(torch.tensor(value).to(dtype))
@@ -34,10 +39,15 @@ def scale_in_dtype(value: float, dtype: torch.dtype) -> float:
 
 
 def eager_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """Softmax attention with scale 1 (the QK norms replace 1/√D) and an additive mask.
+    """Softmax attention with an additive mask.
 
+    Gemma 4 uses scale 1 (the QK norms replace 1/√D); Gemma 3 scales by query_pre_attn_scalar^-1/2.
     query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S) or None. Returns (B, T, H, D).
     """
     groups = query.shape[1] // key.shape[1]
@@ -47,6 +57,8 @@ def eager_attention(
         key = key[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
         value = value[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
     scores = torch.matmul(query, key.transpose(2, 3))  # (B, H, T, S)
+    if scale != 1.0:  # multiplying by 1.0 is exact: skip it
+        scores = scores * scale
     if mask is not None:
         scores = scores + mask
     # Softmax in float32, then back to the model dtype before the product with V, as the reference.
@@ -60,12 +72,14 @@ class Attention(nn.Module):
         self.spec = spec
         hidden, heads, dim = config.hidden_size, config.num_attention_heads, spec.head_dim
         self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
-        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.q_norm = text_norm(config, dim)
+        self.scale = config.attention_scale
         if spec.has_kv_weights:  # KV-shared layers own no k/v weights
             self.k_proj = nn.Linear(hidden, spec.num_kv_heads * dim, bias=False)
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden, spec.num_kv_heads * dim, bias=False)
-            self.k_norm = RMSNorm(dim, config.rms_norm_eps)
-            self.v_norm = RMSNorm(dim, config.rms_norm_eps, with_scale=False)
+            self.k_norm = text_norm(config, dim)
+            # Gemma 4 normalises values too (without a scale); Gemma 3 does not.
+            self.v_norm = RMSNorm(dim, config.rms_norm_eps, with_scale=False) if config.use_v_norm else None
         self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
 
     def forward(
@@ -91,13 +105,15 @@ class Attention(nn.Module):
             # K=V: values are the raw key projection, before k_norm and RoPE.
             value = key if self.v_proj is None else self.v_proj(x).view(batch, length, -1, spec.head_dim)
             key = apply_rope(self.k_norm(key), cos, sin).transpose(1, 2)  # (B, Hkv, T, D)
-            value = self.v_norm(value).transpose(1, 2)
+            if self.v_norm is not None:
+                value = self.v_norm(value)
+            value = value.transpose(1, 2)
             if cache is not None:
                 key, value = cache.update(key, value, start)
             if spec.kv_role == "store":
                 shared_kv[spec.index] = (key, value)
 
-        out = eager_attention(query, key, value, mask)  # (B, T, H, D)
+        out = eager_attention(query, key, value, mask, self.scale)  # (B, T, H, D)
         return self.o_proj(out.reshape(batch, length, -1))
 
 
@@ -158,27 +174,28 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
+        hidden = config.hidden_size
+        self.input_layernorm = text_norm(config, hidden)
         self.self_attn = Attention(config, spec)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = text_norm(config, hidden)
+        self.pre_feedforward_layernorm = text_norm(config, hidden)
         self.mlp = GatedMLP(hidden, spec.intermediate_size)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = text_norm(config, hidden)
         if spec.moe:
             # The dense MLP above runs beside the experts; each branch has its own norms.
             self.router = Router(config)
             self.experts = Experts(config)
-            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
-            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
-            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = text_norm(config, hidden)
+            self.post_feedforward_layernorm_1 = text_norm(config, hidden)
+            self.post_feedforward_layernorm_2 = text_norm(config, hidden)
         if config.has_per_layer_inputs:
             p = config.hidden_size_per_layer_input
             self.per_layer_input_gate = nn.Linear(hidden, p, bias=False)
             self.per_layer_projection = nn.Linear(p, hidden, bias=False)
-            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
-        # Multiplies the whole residual stream at the end of the layer; loaded from the checkpoint.
-        self.register_buffer("layer_scalar", torch.ones(1))
+            self.post_per_layer_input_norm = text_norm(config, hidden)
+        # Gemma 4: multiplies the whole residual stream at the end of the layer; loaded from the checkpoint.
+        if config.use_layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(
         self,
@@ -210,7 +227,7 @@ class DecoderLayer(nn.Module):
         if per_layer_input is not None:
             gate = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return x * self.layer_scalar
+        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
 # ── the stack ─────────────────────────────────────────────────────────────────────────────────
@@ -249,22 +266,27 @@ def build_mask(
     window: int | None,
     dtype,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bidirectional: bool = False,
 ) -> torch.Tensor:
     """Additive mask (B, 1, T, S): 0 where a query may attend, the dtype's minimum elsewhere.
 
     Slots are absolute indices in the (padded) sequence. A query sees keys at or before it, within
     ``window`` keys including itself on sliding layers, and never padding keys. ``blocks`` =
     (query block ids (B, T), key block ids (B, S)): a query also sees later keys of its own block
-    (id >= 0), still within the window's reach into the past.
+    (id >= 0), still within the window's reach into the past. ``bidirectional`` (encoder models):
+    every key on full layers, keys with |q - k| < window on sliding layers.
     """
     q, k = query_slots[:, None], key_slots[None, :]
-    allowed = (k <= q)[None]  # (1, T, S)
-    if blocks is not None:
-        query_block, key_block = blocks
-        same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
-        allowed = allowed | same_block  # (B, T, S)
-    if window is not None:
-        allowed = allowed & (k > q - window)
+    if bidirectional:
+        allowed = (torch.ones_like(k <= q) if window is None else (q - k).abs() < window)[None]
+    else:
+        allowed = (k <= q)[None]  # (1, T, S)
+        if blocks is not None:
+            query_block, key_block = blocks
+            same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
+            allowed = allowed | same_block  # (B, T, S)
+        if window is not None:
+            allowed = allowed & (k > q - window)
     allowed = allowed & key_valid[:, None, :]  # (B, T, S)
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
@@ -284,7 +306,7 @@ class TextModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = text_norm(config, config.hidden_size)
         self.rotary = RotaryTables(config.rope)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -339,6 +361,10 @@ class TextModel(nn.Module):
 
         start = 0 if cache is None else cache.length
         if cache is not None:
+            if cfg.bidirectional:
+                raise ValueError(
+                    "a bidirectional (encoder) model attends to later tokens: it cannot use a KV cache"
+                )
             if cache.batch_size != batch:
                 raise ValueError(
                     f"cache was made for batch size {cache.batch_size}, got input of batch {batch}"
@@ -374,7 +400,7 @@ class TextModel(nn.Module):
             if vision_blocks is not None and spec.is_sliding:
                 blocks = (block_of_slot[:, start:], block_of_slot[:, key_slots])
             masks[layer_type] = build_mask(
-                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype, blocks
+                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype, blocks, cfg.bidirectional
             )
 
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
