@@ -2,6 +2,8 @@
 
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
+from .generation import generate, stream
+from .llm import LLM
 from .loading import load
 from .model import Gemma
 from .processing import process_audio, process_images
@@ -15,12 +17,15 @@ __all__ = [
     "ConfigError",
     "Gemma",
     "KVCache",
+    "LLM",
     "LayerSpec",
     "ModelConfig",
     "TextConfig",
     "Tokenizer",
+    "generate",
     "load",
     "load_tokenizer",
     "process_audio",
     "process_images",
+    "stream",
 ]

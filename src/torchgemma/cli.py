@@ -38,6 +38,93 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_llm(args: argparse.Namespace):
+    from .llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """The sampling flags the user gave; the rest fall back to the checkpoint's defaults."""
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _report(stats, out) -> None:
+    print(
+        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tok/s | "
+        f"decode: {stats.steps} tokens, {stats.decode_tokens_per_second:.1f} tok/s",
+        file=out,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generation import GenerationStats
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = _load_llm(args)
+    stats = GenerationStats()
+    for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    _report(stats, sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _load_llm(args)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    sampling = _sampling(args)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":  # EOF or an explicit exit
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        answer, in_thought = [], False
+        chunks = llm.stream_chat(
+            messages, enable_thinking=args.think, max_new_tokens=args.max_new_tokens, **sampling
+        )
+        for chunk in chunks:
+            # Thinking goes to stderr so that stdout carries the answers alone.
+            if chunk.thinking and not in_thought:
+                print("[thinking] ", end="", file=sys.stderr)
+            elif in_thought and not chunk.thinking:
+                print(file=sys.stderr)
+            in_thought = chunk.thinking
+            print(chunk.text, end="", file=sys.stderr if chunk.thinking else sys.stdout, flush=True)
+            if not chunk.thinking:
+                answer.append(chunk.text)
+        if in_thought:
+            print(file=sys.stderr)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint folder or hub repository id")
+    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="most tokens per reply (default: 512)"
+    )
+    sampling = parser.add_argument_group(
+        "sampling", "unset flags take the checkpoint's generation_config.json defaults"
+    )
+    sampling.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
+    sampling.add_argument("--top-p", type=float, default=None, help="nucleus: keep this probability mass")
+    sampling.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top one")
+    sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchgemma", description="Gemma 4 in PyTorch, exact against transformers."
@@ -60,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(func=cmd_info)
+
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt, streaming the text to stdout",
+        description="Continue a raw prompt (no chat template), streaming the text to stdout; prompt and "
+        "decode speeds go to stderr at the end.",
+    )
+    generate.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin)")
+    _add_generation_flags(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser(
+        "chat",
+        help="chat interactively (one user message per stdin line)",
+        description="Interactive chat with the checkpoint's chat template: each stdin line is a user "
+        "message; the conversation is kept. Answers go to stdout, thinking to stderr. Ends on EOF or /exit.",
+    )
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("--think", action="store_true", help="let the model think before answering")
+    _add_generation_flags(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
@@ -67,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, OSError, ValueError) as err:
+        # OSError: a missing folder or file, or a hub download that failed.
         print(f"torchgemma {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,312 @@
+"""``LLM``: a checkpoint's model, tokenizer and generation defaults behind text in, text out.
+
+    llm = LLM("path/to/gemma-4-E2B-it", dtype="bf16")
+    llm.generate("The capital of France is", max_new_tokens=20)
+    reply = llm.chat([{"role": "user", "content": "Hi!"}], enable_thinking=True)
+    reply.thinking, reply.text
+
+Sampling arguments (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+``seed``, ``stop_token_ids``) are those of ``torchgemma.generation.generate``; what is left unset
+takes the checkpoint's ``generation_config.json`` defaults (Gemma 4: sampling at temperature 1 with
+top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .generation import GenerationConfig, GenerationStats, stream
+from .loading import load, resolve_source
+from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
+
+# When neither the caller nor generation_config.json says how long a reply may be.
+DEFAULT_MAX_NEW_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A model reply: the answer and, kept apart, its thinking (None when the reply has none)."""
+
+    text: str
+    thinking: str | None
+    token_ids: tuple[int, ...]
+    # "stop": the model ended its turn; "length": max_new_tokens (or the context) ran out.
+    finish_reason: Literal["stop", "length"]
+
+    @property
+    def message(self) -> dict[str, str]:
+        """The reply as a chat message, to append to the conversation."""
+        return {"role": "assistant", "content": self.text}
+
+
+@dataclass(frozen=True)
+class ChatChunk:
+    """A piece of a streamed reply: answer text, or thinking text when ``thinking`` is True."""
+
+    text: str
+    thinking: bool = False
+
+
+class ReplyStream:
+    """Incremental (thinking, answer) split of a reply, one token at a time.
+
+    The reply is decoded incrementally and re-parsed with the tokenizer's ``parse_reply`` after each
+    token; what each part gained is emitted. So the pieces join to exactly what ``parse_reply`` gives
+    for the whole reply, the same rule ``LLM.chat`` applies.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.stream_decoder()
+        self.raw = ""
+        self.thinking = ""
+        self.answer = ""
+
+    def push(self, token_id: int) -> list[ChatChunk]:
+        self.raw += self.decoder.push(token_id)
+        return self._emit()
+
+    def flush(self) -> list[ChatChunk]:
+        self.raw += self.decoder.flush()
+        return self._emit()
+
+    def _emit(self) -> list[ChatChunk]:
+        thinking, answer = self.tokenizer.parse_reply(self.raw)
+        chunks = []
+        for is_thought, now in ((True, thinking or ""), (False, answer)):
+            sent = self.thinking if is_thought else self.answer
+            # A part only grows, except for whitespace the strip holds back until text follows it.
+            if len(now) > len(sent) and now.startswith(sent):
+                chunks.append(ChatChunk(now[len(sent) :], thinking=is_thought))
+                if is_thought:
+                    self.thinking = now
+                else:
+                    self.answer = now
+        return chunks
+
+
+class LLM:
+    """A loaded checkpoint (local folder or hub id) ready to generate text."""
+
+    def __init__(
+        self,
+        source: str | Path,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        folder = resolve_source(source)
+        self.model = load(folder, dtype=dtype, device=device)
+        self.tokenizer = load_tokenizer(folder)
+        text = self.model.config.text
+        self.generation_config = GenerationConfig.from_folder(folder, text)
+        if self.tokenizer.vocab_size > text.vocab_size:
+            raise ValueError(
+                f"{folder}: the tokenizer has {self.tokenizer.vocab_size} ids but the model only "
+                f"{text.vocab_size} embedding rows"
+            )
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt plus reply) one sequence can hold."""
+        return self.model.config.text.max_position_embeddings
+
+    # ---- prompts --------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained.
+
+        Gemma 4 tokenizers add no ``<bos>`` themselves (the chat template writes it), so it is added
+        here unless the prompt's text already begins with it.
+        """
+        ids = self.tokenizer.encode(prompt)
+        try:
+            bos = self.tokenizer.bos_id
+        except UnknownTokenError:
+            return ids
+        return ids if ids[:1] == [bos] else [bos, *ids]
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False) -> list[int]:
+        """The conversation rendered with the checkpoint's chat template, ready for the model's turn."""
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | None = None,
+        stats: GenerationStats | None = None,
+        **sampling: Any,
+    ) -> list[list[int]]:
+        """New token ids for each prompt (left-padded into one batch), each cut after its stop token."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        input_ids, mask = self._left_pad(prompts)
+        stops = self._stop_ids(sampling)
+        rows = [[] for _ in prompts]
+        ended = [False] * len(prompts)
+        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+            for row, token in enumerate(tokens.tolist()):
+                if not ended[row]:
+                    rows[row].append(token)
+                    ended[row] = token in stops
+        return rows
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        max_new_tokens: int | None = None,
+        stats: GenerationStats | None = None,
+        **sampling: Any,
+    ) -> str | list[str]:
+        """Continue a raw prompt (or a list of prompts, run as one batch); returns the new text.
+
+        The text is decoded with special tokens kept, without the stop token that ended it.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = self.generate_ids(
+            [self.encode(p) for p in prompts], max_new_tokens=max_new_tokens, stats=stats, **sampling
+        )
+        stops = self._stop_ids(sampling)
+        texts = [self.tokenizer.decode(_without_stop(row, stops)) for row in ids]
+        return texts[0] if isinstance(prompt, str) else texts
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int | None = None,
+        stats: GenerationStats | None = None,
+        **sampling: Any,
+    ) -> Iterator[str]:
+        """Like ``generate`` for one prompt, yielding text pieces as they complete."""
+        yield from self._stream_text(self.encode(prompt), max_new_tokens, stats, sampling)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        enable_thinking: bool = False,
+        max_new_tokens: int | None = None,
+        stats: GenerationStats | None = None,
+        **sampling: Any,
+    ) -> ChatResult:
+        """The model's next turn in a conversation of ``{"role", "content"}`` messages."""
+        sampling = self._chat_sampling(sampling)
+        ids = self.generate_ids(
+            [self.chat_ids(messages, enable_thinking)],
+            max_new_tokens=max_new_tokens,
+            stats=stats,
+            **sampling,
+        )[0]
+        stops = self._stop_ids(sampling)
+        stopped = bool(ids) and ids[-1] in stops
+        thinking, answer = self.tokenizer.parse_reply(self.tokenizer.decode(_without_stop(ids, stops)))
+        return ChatResult(
+            text=answer,
+            thinking=thinking,
+            token_ids=tuple(ids),
+            finish_reason="stop" if stopped else "length",
+        )
+
+    def stream_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        enable_thinking: bool = False,
+        max_new_tokens: int | None = None,
+        stats: GenerationStats | None = None,
+        **sampling: Any,
+    ) -> Iterator[ChatChunk]:
+        """Like ``chat``, yielding the reply as it comes: thinking and answer pieces, tagged apart.
+
+        The answer pieces join to ``chat(...).text`` and the thinking pieces to ``.thinking``.
+        """
+        sampling = self._chat_sampling(sampling)
+        ids = self.chat_ids(messages, enable_thinking)
+        input_ids, mask = self._left_pad([ids])
+        stops = self._stop_ids(sampling)
+        reply = ReplyStream(self.tokenizer)
+        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+            token = int(tokens[0])
+            if token in stops:
+                break
+            yield from reply.push(token)
+        yield from reply.flush()
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _stream_text(
+        self, ids: list[int], max_new_tokens: int | None, stats: GenerationStats | None, sampling: dict
+    ) -> Iterator[str]:
+        input_ids, mask = self._left_pad([ids])
+        stops = self._stop_ids(sampling)
+        decoder = self.tokenizer.stream_decoder()
+        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+            token = int(tokens[0])
+            if token in stops:
+                break
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+        rest = decoder.flush()
+        if rest:
+            yield rest
+
+    def _stream(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new_tokens: int | None,
+        stats: GenerationStats | None,
+        sampling: dict,
+    ) -> Iterator[torch.Tensor]:
+        if max_new_tokens is None:
+            max_new_tokens = self.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        return stream(
+            self.model,
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            generation_config=self.generation_config,
+            stats=stats,
+            **sampling,
+        )
+
+    def _stop_ids(self, sampling: Mapping[str, Any]) -> frozenset[int]:
+        stops = sampling.get("stop_token_ids")
+        return frozenset(self.generation_config.eos_token_ids if stops is None else stops)
+
+    def _chat_sampling(self, sampling: dict) -> dict:
+        # A chat reply ends with the end-of-turn token, whether or not the checkpoint's eos list has it.
+        if sampling.get("stop_token_ids") is not None:
+            return sampling
+        try:
+            turn_end = self.tokenizer.turn_end_id
+        except UnknownTokenError:
+            return sampling
+        stops = tuple(self.generation_config.eos_token_ids)
+        return {**sampling, "stop_token_ids": stops if turn_end in stops else (*stops, turn_end)}
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pad = self.generation_config.pad_token_id or 0
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
+            mask[row, width - len(ids) :] = 1
+        return input_ids, mask
+
+
+def _without_stop(ids: Sequence[int], stops: frozenset[int]) -> list[int]:
+    return list(ids[:-1]) if ids and ids[-1] in stops else list(ids)

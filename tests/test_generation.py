@@ -1,0 +1,297 @@
+"""generate / stream against transformers 5.23's generate() on tiny random checkpoints of every style."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchgemma
+from checkpoints import STYLES, randomize_, reference_model, text_config
+from torchgemma.generation import GenerationStats, decode_step, generate, prefill, stream
+
+DTYPES = [torch.float32, torch.bfloat16]
+NEW = 18  # more than 3x the sliding window (5)
+WIDTH = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine their syncs stall badly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def gen_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One checkpoint per style, randomised like tests/checkpoints.py but with small embeddings.
+
+    With large tied embeddings every token predicts itself, so greedy decoding just repeats the last
+    prompt token; at 0.05x the continuations vary, which is what makes token parity meaningful.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    root = tmp_path_factory.mktemp("gen")
+    folders = {}
+    for i, style in enumerate(STYLES):
+        torch.manual_seed(i)
+        model = Gemma4ForCausalLM(text_config(style))
+        randomize_(model, seed=3 + i)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.05)
+        model.save_pretrained(root / style)
+        folders[style] = root / style
+    return folders
+
+
+def padded_prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded rows: 12 tokens, 3 tokens (shorter than the window) and 8 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (3, WIDTH), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, real in ((1, 3), (2, 8)):
+        mask[row, : WIDTH - real] = 0
+        ids[row, : WIDTH - real] = 0
+    return ids, mask
+
+
+def reference_generate(ref, ids, mask=None, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return ref.generate(ids, attention_mask=mask, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_greedy_matches_transformers(gen_checkpoints, style, dtype):
+    folder = gen_checkpoints[style]
+    ref = reference_model(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype)
+    ids, mask = padded_prompts(seed=list(STYLES).index(style))
+
+    # Batched with left padding, no stop token: NEW tokens for every row.
+    free = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0, stop_token_ids=[])
+    theirs = reference_generate(ref, ids, mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    assert free.shape == (3, WIDTH + NEW)
+    assert torch.equal(free, theirs), f"\nours   {free[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
+    assert all(len(set(row)) >= 5 for row in free[:, WIDTH:].tolist()), "degenerate continuation"
+
+    # Single rows, shorter and longer than the sliding window, without a mask.
+    for prompt in (ids[1:2, -3:], ids[:1]):
+        ours = generate(model, prompt, max_new_tokens=NEW, stop_token_ids=[])
+        theirs = reference_generate(ref, prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        assert torch.equal(ours, theirs), f"\nours   {ours}\ntheirs {theirs}"
+
+    # Stopping: the token row 0 produces at step 4 ends it there; it is padded, the others go on.
+    stop = int(free[0, WIDTH + 4])
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, stop_token_ids=[stop])
+    theirs = reference_generate(ref, ids, mask, max_new_tokens=NEW, do_sample=False, eos_token_id=stop)
+    assert torch.equal(ours, theirs), f"\nours   {ours[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
+    row = ours[0, WIDTH:].tolist()
+    end = row.index(stop)
+    assert end <= 4 and all(t == 0 for t in row[end + 1 :])
+
+
+@pytest.mark.parametrize("style", ["e2b", "e4b", "26b"])
+def test_step_logits_match_transformers(gen_checkpoints, style):
+    """prefill and decode_step give transformers' generate() next-token logits to the bit (bf16)."""
+    folder = gen_checkpoints[style]
+    ref = reference_model(folder, torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    ids, mask = padded_prompts(seed=31)
+    with torch.no_grad():
+        out = ref.generate(
+            ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    cache = model.make_cache(3, WIDTH + 8)
+    logits = prefill(model, ids, mask, cache)
+    for step, expected in enumerate(out.logits):
+        assert torch.equal(logits, expected), f"step {step}: max |Δ| {(logits - expected).abs().max()}"
+        logits = decode_step(model, out.sequences[:, WIDTH + step], cache)
+
+
+def test_default_stop_tokens_match_transformers(gen_checkpoints):
+    """stop_token_ids=None: the generation config's eos list (here the model config's [1, 106])."""
+    folder = gen_checkpoints["e2b"]
+    ref = reference_model(folder, torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    ids, mask = padded_prompts(seed=21)
+    for eos in ([1, 106], None):
+        config = None if eos is None else {"eos_token_id": eos, "pad_token_id": 0}
+        ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=config)
+        theirs = reference_generate(ref, ids, mask, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(ours, theirs)
+
+
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_seeded_sampling_matches_transformers(gen_checkpoints, style):
+    """bf16 logits are bit-identical, so the same seed draws the same tokens as transformers."""
+    folder = gen_checkpoints[style]
+    ref = reference_model(folder, torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    ids, mask = padded_prompts(seed=7)
+    ours = generate(
+        model, ids, attention_mask=mask, max_new_tokens=NEW, seed=1234, stop_token_ids=[], **SAMPLED
+    )
+    torch.manual_seed(1234)
+    theirs = reference_generate(
+        ref, ids, mask, max_new_tokens=NEW, do_sample=True, eos_token_id=None, **SAMPLED
+    )
+    assert torch.equal(ours, theirs), f"\nours   {ours[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
+
+
+@pytest.mark.parametrize("style", ["e4b", "31b"])
+def test_greedy_repetition_penalty_matches_transformers(gen_checkpoints, style):
+    """The penalty applies to greedy decoding too, and skips each row's left padding."""
+    folder = gen_checkpoints[style]
+    ref = reference_model(folder, torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    ids, mask = padded_prompts(seed=8)
+    # Pad with the tokens the padded rows pick first: counting padding as history would penalise them.
+    first = reference_generate(
+        ref, ids, mask, max_new_tokens=1, do_sample=False, repetition_penalty=1.4, eos_token_id=None
+    )[:, WIDTH]
+    ids = torch.where(mask == 1, ids, first[:, None])
+    ours = generate(
+        model, ids, attention_mask=mask, max_new_tokens=NEW, repetition_penalty=1.4, stop_token_ids=[]
+    )
+    theirs = reference_generate(
+        ref, ids, mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.4, eos_token_id=None
+    )
+    assert torch.equal(ours, theirs)
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, stop_token_ids=[])
+    assert not torch.equal(ours, plain)
+
+
+@pytest.fixture(scope="module")
+def small_model(gen_checkpoints):
+    return torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32)
+
+
+def test_seeded_sampling_is_reproducible(small_model):
+    ids, mask = padded_prompts(seed=3)
+    runs = [
+        generate(
+            small_model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            seed=s,
+            temperature=1.0,
+            stop_token_ids=[],
+        )
+        for s in (5, 5, 6)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_generation_config_supplies_defaults(small_model):
+    """Unset sampling parameters and stop ids come from a generation_config.json dict."""
+    ids, mask = padded_prompts(seed=4)
+    explicit = generate(
+        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9,
+        temperature=1.0, top_k=64, top_p=0.95, stop_token_ids=[],
+    )  # fmt: skip
+    config = {"do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95, "eos_token_id": []}
+    from_config = generate(
+        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9, generation_config=config
+    )
+    assert torch.equal(explicit, from_config)
+    # Gemma 4's defaults sample: not the greedy continuation.
+    greedy = generate(small_model, ids, attention_mask=mask, max_new_tokens=10, stop_token_ids=[])
+    assert not torch.equal(from_config, greedy)
+    # An explicit temperature=0 overrides the config: greedy.
+    forced = generate(
+        small_model, ids, attention_mask=mask, max_new_tokens=10, temperature=0, generation_config=config
+    )
+    assert torch.equal(forced, greedy)
+    # The config's eos list stops rows.
+    stop = int(explicit[2, WIDTH + 2])
+    stopped = generate(
+        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9,
+        generation_config={**config, "eos_token_id": [stop], "pad_token_id": 7},
+    )  # fmt: skip
+    row = stopped[2, WIDTH:].tolist()
+    end = row.index(stop)
+    assert end <= 2 and all(t == 7 for t in row[end + 1 :])
+
+
+def test_stream_yields_each_step(small_model):
+    ids, mask = padded_prompts(seed=5)
+    stats = GenerationStats()
+    steps = list(
+        stream(small_model, ids, attention_mask=mask, max_new_tokens=7, stop_token_ids=[], stats=stats)
+    )
+    assert len(steps) == 7 and all(s.shape == (3,) and s.dtype == torch.long for s in steps)
+    full = generate(small_model, ids, attention_mask=mask, max_new_tokens=7, stop_token_ids=[])
+    assert torch.equal(torch.stack(steps, 1), full[:, WIDTH:])
+    assert stats.batch == 3 and stats.steps == 7 and stats.prompt_tokens == int(mask.sum())
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+
+
+def test_stream_stops_when_all_rows_stop(small_model):
+    ids, mask = padded_prompts(seed=6)
+    free = generate(small_model, ids, attention_mask=mask, max_new_tokens=NEW, stop_token_ids=[])[:, WIDTH:]
+    # Each row's token at step 2 stops it by step 2 at the latest.
+    stops = free[:, 2].tolist()
+    out = generate(small_model, ids, attention_mask=mask, max_new_tokens=NEW, stop_token_ids=stops)
+    assert out.shape[1] <= WIDTH + 3
+
+
+def test_cache_reuse(small_model):
+    ids, mask = padded_prompts(seed=2)
+    fresh = generate(small_model, ids, attention_mask=mask, max_new_tokens=8, stop_token_ids=[])
+    cache = small_model.make_cache(3, WIDTH + 8)
+    for _ in range(2):  # reset between runs
+        again = generate(
+            small_model, ids, attention_mask=mask, max_new_tokens=8, stop_token_ids=[], cache=cache
+        )
+        assert torch.equal(again, fresh)
+    with pytest.raises(ValueError, match="cannot hold"):
+        generate(small_model, ids, attention_mask=mask, max_new_tokens=9, cache=cache)
+
+
+def test_context_limit(gen_checkpoints, tmp_path):
+    # The 31b checkpoint with its context cut to 40 tokens.
+    folder = tmp_path / "short-context"
+    folder.mkdir()
+    for f in gen_checkpoints["31b"].iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    model = torchgemma.load(folder)
+
+    with pytest.raises(ValueError, match="does not fit"):
+        stream(model, torch.full((1, 40), 5), max_new_tokens=1)  # raised at the call, before any step
+    # New tokens are cut to what the context leaves; padding does not count (positions follow real tokens).
+    ids = torch.randint(3, 300, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=10, stop_token_ids=[])
+    assert out.shape == (2, 40)
+    out = generate(model, ids[1:, 5:], max_new_tokens=10, stop_token_ids=[])
+    assert out.shape == (1, 32 + 8)
+
+
+def test_zero_new_tokens_and_bad_input(small_model):
+    ids, mask = padded_prompts(seed=1)
+    assert torch.equal(generate(small_model, ids, attention_mask=mask, max_new_tokens=0), ids)
+    with pytest.raises(ValueError, match="batch, length"):
+        generate(small_model, ids[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate(small_model, ids, attention_mask=mask[:, 1:], max_new_tokens=2)
+    empty = mask.clone()
+    empty[1] = 0
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(small_model, ids, attention_mask=empty, max_new_tokens=2)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(small_model, ids, max_new_tokens=2, temperature=-1)
