@@ -108,7 +108,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint folder or hub repository id")
+    parser.add_argument("--model", required=True, help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)")
     parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument(
