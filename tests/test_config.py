@@ -152,3 +152,10 @@ def test_config_file_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(broken(E2B, model_type="gemma2")))
     with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gemma2'"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_multimodal_token_ids_in_transformers_spelling():
+    data = multimodal(E2B)
+    data.update(eoa_token_index=7, boi_token_id=None)
+    ids = ModelConfig.from_hf(data).token_ids
+    assert ids["eoa_token_id"] == 7 and ids["boi_token_id"] == 255999

@@ -340,7 +340,12 @@ class ModelConfig:
                 text_data["tie_word_embeddings"] = data["tie_word_embeddings"]
             vision = data.get("vision_config")
             audio = data.get("audio_config")
-            token_ids = {k: int(data.get(k, v)) for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()}
+            # transformers spells the end-of-audio id `eoa_token_index`; a null id takes the default.
+            spelled = {**data, "eoa_token_id": data.get("eoa_token_id", data.get("eoa_token_index"))}
+            token_ids = {
+                k: int(v if spelled.get(k) is None else spelled[k])
+                for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()
+            }
             if model_type == "gemma3":
                 # Only Gemma 3's text model is built; its (SigLIP) vision tower is not.
                 vision, audio, token_ids = None, None, {}
