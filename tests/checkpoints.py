@@ -261,6 +261,53 @@ def build_large_vision_checkpoint(folder: Path, *, seed: int = 0, dtype=torch.fl
     return folder
 
 
+def build_media_chat_checkpoint(
+    folder: Path,
+    *,
+    vocab_size: int,
+    media_token_ids: dict[str, int],
+    large: bool = False,
+    seed: int = 0,
+    embed_scale: float = 0.05,
+) -> Path:
+    """A ``gemma4`` checkpoint for a real-layout tokenizer: ``vocab_size`` rows, its media token ids
+    (``TINY_TOKEN_IDS`` field names), towers that fit our own processors, and small embeddings.
+
+    E2B-like with vision and audio towers by default; ``large=True`` is 31B-like (K=V text,
+    bidirectional image blocks, standardised vision tower without clipping, no audio). With large
+    tied embeddings every token predicts itself; at ``embed_scale`` greedy continuations vary.
+    """
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+        Gemma4VisionConfig,
+    )
+
+    style = "31b" if large else "e2b"
+    fields = {**COMMON, **STYLES[style], "vocab_size": vocab_size}
+    if large:
+        fields["use_bidirectional_attention"] = "vision"
+        vision = {**ON_DEVICE_VISION, "use_clipped_linears": False, "standardize": True}
+    else:
+        fields["vocab_size_per_layer_input"] = vocab_size
+        vision = ON_DEVICE_VISION
+    config = Gemma4Config(
+        text_config=Gemma4TextConfig(**fields).to_dict(),
+        vision_config=Gemma4VisionConfig(**vision).to_dict(),
+        audio_config=None if large else Gemma4AudioConfig(**ON_DEVICE_AUDIO).to_dict(),
+        **media_token_ids,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config)
+    randomize_(model, seed)
+    with torch.no_grad():
+        model.model.language_model.embed_tokens.weight.mul_(embed_scale)
+    model.save_pretrained(folder)
+    return folder
+
+
 def reference_model(folder: Path, dtype=torch.float32):
     """The transformers model of a saved checkpoint, with eager attention and eager experts."""
     from transformers import AutoModelForCausalLM

@@ -58,13 +58,43 @@ def _report(stats, out) -> None:
     )
 
 
+IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER = "<|image|>", "<|audio|>"
+
+
+def with_placeholders(prompt: str, images: list[str], audio: list[str]) -> str:
+    """The raw prompt with one placeholder per file appended, for a kind the prompt has none of."""
+    if images and IMAGE_PLACEHOLDER not in prompt:
+        prompt += IMAGE_PLACEHOLDER * len(images)
+    if audio and AUDIO_PLACEHOLDER not in prompt:
+        prompt += AUDIO_PLACEHOLDER * len(audio)
+    return prompt
+
+
+def _check_media_files(args: argparse.Namespace) -> None:
+    # Before the model loads, so that a typo fails at once (contents are checked when read).
+    for kind, paths in (("image", args.image), ("audio", args.audio)):
+        for path in paths:
+            if not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"{kind} file not found: {path!r}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import GenerationStats
 
+    _check_media_files(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = with_placeholders(prompt, args.image, args.audio)
     llm = _load_llm(args)
     stats = GenerationStats()
-    for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, stats=stats, **_sampling(args)):
+    pieces = llm.stream(
+        prompt,
+        images=args.image,
+        audio=args.audio,
+        max_new_tokens=args.max_new_tokens,
+        stats=stats,
+        **_sampling(args),
+    )
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -74,7 +104,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _check_media_files(args)
     llm = _load_llm(args)
+    media = [{"type": "image", "image": path} for path in args.image]
+    media += [{"type": "audio", "audio": path} for path in args.audio]
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     sampling = _sampling(args)
@@ -86,7 +119,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        text = line.rstrip("\n")
+        attach = media if not any(m["role"] == "user" for m in messages) else []
+        # Media first, then the text, as in Gemma's own examples.
+        messages.append(
+            {"role": "user", "content": [*attach, {"type": "text", "text": text}] if attach else text}
+        )
         answer, in_thought = [], False
         chunks = llm.stream_chat(
             messages, enable_thinking=args.think, max_new_tokens=args.max_new_tokens, **sampling
@@ -108,7 +146,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
+    )
     parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument(
@@ -123,6 +165,20 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top one")
     sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
     sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+
+
+def _add_media_flags(parser: argparse.ArgumentParser, where: str) -> None:
+    media = parser.add_argument_group("media", f"images and audio (repeatable); {where}")
+    media.add_argument(
+        "--image", action="append", default=[], metavar="PATH", help="an image file (PNG, JPEG, ...)"
+    )
+    media.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an audio file (WAV; FLAC/OGG/MP3 need soundfile)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin)")
     _add_generation_flags(generate)
+    _add_media_flags(
+        generate,
+        "each fills one <|image|> / <|audio|> placeholder of the prompt, in order; a prompt without "
+        "placeholders of a kind gets one per file appended at its end",
+    )
     generate.set_defaults(func=cmd_generate)
 
     chat = commands.add_parser(
@@ -167,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument("--think", action="store_true", help="let the model think before answering")
     _add_generation_flags(chat)
+    _add_media_flags(
+        chat,
+        "attached to the first user message (before its text) and kept in the conversation",
+    )
     chat.set_defaults(func=cmd_chat)
     return parser
 

@@ -4,6 +4,13 @@
     llm.generate("The capital of France is", max_new_tokens=20)
     reply = llm.chat([{"role": "user", "content": "Hi!"}], enable_thinking=True)
     reply.thinking, reply.text
+    llm.chat([{"role": "user", "content": [
+        {"type": "image", "image": "cat.jpg"}, {"type": "text", "text": "What is this?"}]}])
+    llm.generate("<|image|>A photo of", images=["cat.jpg"])
+
+Images (a path, PIL image or array) and audio (a path, or a 16 kHz mono array) are preprocessed as
+transformers' Gemma 4 processor does, and each ``<|image|>`` / ``<|audio|>`` placeholder of the
+prompt is expanded into that item's soft tokens; raw prompts need one placeholder per item.
 
 Sampling arguments (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
 ``seed``, ``stop_token_ids``) are those of ``torchgemma.generation.generate``; what is left unset
@@ -13,6 +20,7 @@ top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +28,16 @@ from typing import Any, Literal
 
 import torch
 
-from .generation import GenerationConfig, GenerationStats, stream
+from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
 from .loading import load, resolve_source
+from .processing import MediaTokens, collect_media, prepare_media_prompts
+from .processing.image import PATCH_SIZE, POOLING_KERNEL
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
 
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512
+# Soft tokens per image when the checkpoint has no processor config (transformers' default).
+DEFAULT_IMAGE_SOFT_TOKENS = 280
 
 
 @dataclass(frozen=True)
@@ -91,17 +103,24 @@ class ReplyStream:
 
 
 class LLM:
-    """A loaded checkpoint (local folder or hub id) ready to generate text."""
+    """A loaded checkpoint (local folder or hub id) ready to generate text.
+
+    ``max_soft_tokens``: soft tokens per image (70, 140, 280, 560 or 1120); by default the
+    checkpoint's processor config (``processor_config.json`` / ``preprocessor_config.json``), else 280.
+    """
 
     def __init__(
         self,
         source: str | Path,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
+        *,
+        max_soft_tokens: int | None = None,
     ) -> None:
         folder = resolve_source(source)
         self.model = load(folder, dtype=dtype, device=device)
         self.tokenizer = load_tokenizer(folder)
+        self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)
         text = self.model.config.text
         self.generation_config = GenerationConfig.from_folder(folder, text)
         if self.tokenizer.vocab_size > text.vocab_size:
@@ -131,10 +150,46 @@ class LLM:
         return ids if ids[:1] == [bos] else [bos, *ids]
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False) -> list[int]:
-        """The conversation rendered with the checkpoint's chat template, ready for the model's turn."""
+        """The conversation rendered with the checkpoint's chat template, ready for the model's turn.
+
+        Media items appear as one ``<|image|>`` / ``<|audio|>`` placeholder each (not expanded).
+        """
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, enable_thinking=enable_thinking
         )
+
+    def inputs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        images: Sequence[Any] | None = None,
+        audio: Sequence[Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Model inputs for token prompts, as transformers' Gemma 4 processor returns them.
+
+        ``input_ids`` and ``attention_mask`` (B, L) left-padded; with media, placeholders expanded
+        (the i-th ``<|image|>`` over all rows takes ``images[i]``, likewise audio), plus
+        ``mm_token_type_ids`` and the preprocessed ``pixel_values`` / ``image_position_ids`` /
+        ``input_features`` / ``input_features_mask``. ``generate(llm.model, **inputs, ...)`` runs them.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        images, audio = list(images or ()), list(audio or ())
+        if not images and not audio:
+            input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
+            return {"input_ids": input_ids, "attention_mask": mask}
+        prepared = prepare_media_prompts(
+            prompts, self._media_tokens(images, audio), images, audio, self.max_soft_tokens
+        )
+        input_ids, mask = self._left_pad(prepared.pop("input_ids"), self.generation_config.pad_token_id or 0)
+        types, _ = self._left_pad(prepared.pop("mm_token_type_ids"), 0)
+        return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": types, **prepared}
+
+    def chat_inputs(
+        self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """``inputs`` of a conversation: the chat template's ids with the media of its content items."""
+        images, audio = collect_media(messages)
+        return self.inputs([self.chat_ids(messages, enable_thinking)], images, audio)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -142,18 +197,25 @@ class LLM:
         self,
         prompts: Sequence[Sequence[int]],
         *,
+        images: Sequence[Any] | None = None,
+        audio: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
     ) -> list[list[int]]:
-        """New token ids for each prompt (left-padded into one batch), each cut after its stop token."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        input_ids, mask = self._left_pad(prompts)
+        """New token ids for each prompt (left-padded into one batch), each cut after its stop token.
+
+        ``images`` / ``audio`` fill the prompts' placeholders in order (see ``inputs``).
+        """
+        return self._collect(self.inputs(prompts, images, audio), max_new_tokens, stats, sampling)
+
+    def _collect(
+        self, inputs: dict, max_new_tokens: int | None, stats: GenerationStats | None, sampling: dict
+    ) -> list[list[int]]:
         stops = self._stop_ids(sampling)
-        rows = [[] for _ in prompts]
-        ended = [False] * len(prompts)
-        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+        rows = [[] for _ in range(len(inputs["input_ids"]))]
+        ended = [False] * len(rows)
+        for tokens in self._stream(inputs, max_new_tokens, stats, sampling):
             for row, token in enumerate(tokens.tolist()):
                 if not ended[row]:
                     rows[row].append(token)
@@ -164,6 +226,8 @@ class LLM:
         self,
         prompt: str | Sequence[str],
         *,
+        images: Sequence[Any] | None = None,
+        audio: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
@@ -171,10 +235,17 @@ class LLM:
         """Continue a raw prompt (or a list of prompts, run as one batch); returns the new text.
 
         The text is decoded with special tokens kept, without the stop token that ended it.
+        ``images`` / ``audio`` need one ``<|image|>`` / ``<|audio|>`` placeholder each in the
+        prompt text (over all prompts, in order).
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = self.generate_ids(
-            [self.encode(p) for p in prompts], max_new_tokens=max_new_tokens, stats=stats, **sampling
+            [self.encode(p) for p in prompts],
+            images=images,
+            audio=audio,
+            max_new_tokens=max_new_tokens,
+            stats=stats,
+            **sampling,
         )
         stops = self._stop_ids(sampling)
         texts = [self.tokenizer.decode(_without_stop(row, stops)) for row in ids]
@@ -184,12 +255,15 @@ class LLM:
         self,
         prompt: str,
         *,
+        images: Sequence[Any] | None = None,
+        audio: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """Like ``generate`` for one prompt, yielding text pieces as they complete."""
-        yield from self._stream_text(self.encode(prompt), max_new_tokens, stats, sampling)
+        inputs = self.inputs([self.encode(prompt)], images, audio)
+        yield from self._stream_text(inputs, max_new_tokens, stats, sampling)
 
     def chat(
         self,
@@ -200,14 +274,14 @@ class LLM:
         stats: GenerationStats | None = None,
         **sampling: Any,
     ) -> ChatResult:
-        """The model's next turn in a conversation of ``{"role", "content"}`` messages."""
+        """The model's next turn in a conversation of ``{"role", "content"}`` messages.
+
+        ``content`` is a string or a list of items: ``{"type": "text", "text": ...}``,
+        ``{"type": "image", "image": path | PIL image | array}`` and ``{"type": "audio", "audio":
+        path | 16 kHz array}`` (``"url"`` / ``"path"`` keys hold local paths or ``file://`` URLs).
+        """
         sampling = self._chat_sampling(sampling)
-        ids = self.generate_ids(
-            [self.chat_ids(messages, enable_thinking)],
-            max_new_tokens=max_new_tokens,
-            stats=stats,
-            **sampling,
-        )[0]
+        ids = self._collect(self.chat_inputs(messages, enable_thinking), max_new_tokens, stats, sampling)[0]
         stops = self._stop_ids(sampling)
         stopped = bool(ids) and ids[-1] in stops
         thinking, answer = self.tokenizer.parse_reply(self.tokenizer.decode(_without_stop(ids, stops)))
@@ -232,11 +306,10 @@ class LLM:
         The answer pieces join to ``chat(...).text`` and the thinking pieces to ``.thinking``.
         """
         sampling = self._chat_sampling(sampling)
-        ids = self.chat_ids(messages, enable_thinking)
-        input_ids, mask = self._left_pad([ids])
+        inputs = self.chat_inputs(messages, enable_thinking)
         stops = self._stop_ids(sampling)
         reply = ReplyStream(self.tokenizer)
-        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+        for tokens in self._stream(inputs, max_new_tokens, stats, sampling):
             token = int(tokens[0])
             if token in stops:
                 break
@@ -246,12 +319,11 @@ class LLM:
     # ---- helpers --------------------------------------------------------------------------------
 
     def _stream_text(
-        self, ids: list[int], max_new_tokens: int | None, stats: GenerationStats | None, sampling: dict
+        self, inputs: dict, max_new_tokens: int | None, stats: GenerationStats | None, sampling: dict
     ) -> Iterator[str]:
-        input_ids, mask = self._left_pad([ids])
         stops = self._stop_ids(sampling)
         decoder = self.tokenizer.stream_decoder()
-        for tokens in self._stream(input_ids, mask, max_new_tokens, stats, sampling):
+        for tokens in self._stream(inputs, max_new_tokens, stats, sampling):
             token = int(tokens[0])
             if token in stops:
                 break
@@ -264,18 +336,19 @@ class LLM:
 
     def _stream(
         self,
-        input_ids: torch.Tensor,
-        mask: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
         max_new_tokens: int | None,
         stats: GenerationStats | None,
         sampling: dict,
     ) -> Iterator[torch.Tensor]:
         if max_new_tokens is None:
             max_new_tokens = self.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        media = {name: inputs[name] for name in MEDIA_INPUTS if name in inputs}
         return stream(
             self.model,
-            input_ids,
-            attention_mask=mask,
+            inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            **media,
             max_new_tokens=max_new_tokens,
             generation_config=self.generation_config,
             stats=stats,
@@ -297,8 +370,39 @@ class LLM:
         stops = tuple(self.generation_config.eos_token_ids)
         return {**sampling, "stop_token_ids": stops if turn_end in stops else (*stops, turn_end)}
 
-    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        pad = self.generation_config.pad_token_id or 0
+    def _media_tokens(self, images: list, audio: list) -> MediaTokens:
+        """The placeholder ids, after checking the checkpoint has the towers for these media."""
+        config = self.model.config
+        vision = config.vision_config
+        if images and vision is None:
+            raise ValueError(
+                "this checkpoint has no vision tower (config.json has no vision_config): it cannot take images"
+            )
+        if images and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
+            raise ValueError(
+                f"image preprocessing makes {PATCH_SIZE} px patches pooled {POOLING_KERNEL}x{POOLING_KERNEL}, "
+                f"but this vision tower takes {vision.patch_size} px patches pooled "
+                f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
+            )
+        if audio and config.audio_config is None:
+            raise ValueError(
+                "this checkpoint has no audio tower (config.json has no audio_config): it cannot take audio"
+            )
+        try:
+            tokens = MediaTokens.from_tokenizer(self.tokenizer)
+        except UnknownTokenError as error:
+            raise ValueError(f"the tokenizer lacks a multimodal token: {error}") from error
+        # The model fills the positions of its config's ids; the tokenizer must write the same ones.
+        for name, ours in (("image", tokens.image), ("audio", tokens.audio)):
+            theirs = config.token_ids.get(f"{name}_token_id")
+            if theirs != ours:
+                raise ValueError(
+                    f"the tokenizer's {name} token id {ours} differs from config.json's {theirs}"
+                )
+        return tokens
+
+    @staticmethod
+    def _left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -306,6 +410,18 @@ class LLM:
             input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
             mask[row, width - len(ids) :] = 1
         return input_ids, mask
+
+
+def _image_soft_tokens(folder: Path) -> int:
+    """Soft tokens per image from the checkpoint's processor config, as transformers saves it."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = folder / name
+        if folder.is_dir() and path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            found = data.get("image_processor", data).get("max_soft_tokens")
+            if found:
+                return int(found)
+    return DEFAULT_IMAGE_SOFT_TOKENS
 
 
 def _without_stop(ids: Sequence[int], stops: frozenset[int]) -> list[int]:

@@ -1,7 +1,7 @@
 """Generation: sampling as pure functions; prefill, decode step, streaming iterator and ``generate``."""
 
 from .config import GenerationConfig
-from .generate import GenerationStats, decode_step, generate, prefill, stream
+from .generate import MEDIA_INPUTS, GenerationStats, decode_step, generate, prefill, stream
 from .sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -14,6 +14,7 @@ from .sampling import (
 )
 
 __all__ = [
+    "MEDIA_INPUTS",
     "GenerationConfig",
     "GenerationStats",
     "SamplingParams",

@@ -1,6 +1,6 @@
 """Generation as a small stack: a prefill and a decode step, a streaming iterator, a wrapper.
 
-    prefill(model, prompt)     -> next-token logits      (one forward over the prompt)
+    prefill(model, prompt)     -> next-token logits      (one forward over the prompt, with its media)
     decode_step(model, tokens) -> next-token logits      (one forward over one token per row)
     stream(model, prompt, ...) -> yields (B,) tokens     (the loop: pick, stop, step)
     generate(model, prompt, ...) -> (B, L + N) ids       (stream, collected)
@@ -8,7 +8,9 @@
 It follows transformers' ``generate`` step for step, so that greedy decoding gives the same tokens:
 prefill keeps only the last position's logits (``logits_to_keep=1``), logits are cast to float32
 before sampling, rows that have stopped keep being fed the pad token (and are reported as pad), and
-the loop ends when every row has stopped or ``max_new_tokens`` were produced.
+the loop ends when every row has stopped or ``max_new_tokens`` were produced. Images and audio
+(and ``mm_token_type_ids``) go to the prefill only, as transformers' ``prepare_inputs_for_generation``
+drops them after the first step: their soft tokens are in the cache from then on.
 """
 
 from __future__ import annotations
@@ -51,12 +53,27 @@ class GenerationStats:
         return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else float("nan")
 
 
+# The model's multimodal inputs, as transformers' Gemma 4 processor names them.
+MEDIA_INPUTS = (
+    "pixel_values",
+    "image_position_ids",
+    "input_features",
+    "input_features_mask",
+    "mm_token_type_ids",
+)
+
+
 @torch.inference_mode()
 def prefill(
-    model: Gemma, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache
+    model: Gemma,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: KVCache,
+    **media: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Run the prompt (B, L) into ``cache``; float32 logits (B, V) of the token after it."""
-    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1)
+    """Run the prompt (B, L) and its ``media`` (see ``MEDIA_INPUTS``) into ``cache``; float32 logits
+    (B, V) of the token after it."""
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1, **media)
     return logits[:, -1].float()
 
 
@@ -91,6 +108,11 @@ def stream(
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
+    pixel_values: torch.Tensor | None = None,
+    image_position_ids: torch.Tensor | None = None,
+    input_features: torch.Tensor | None = None,
+    input_features_mask: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
@@ -149,11 +171,25 @@ def stream(
                 f"{batch} rows of {length} + {max_new_tokens} tokens"
             )
         cache.reset()
+    if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)}, input_ids {tuple(input_ids.shape)}"
+        )
+    media = {
+        "pixel_values": pixel_values,
+        "image_position_ids": image_position_ids,
+        "input_features": input_features,
+        "input_features_mask": input_features_mask,
+        "mm_token_type_ids": mm_token_type_ids,
+    }
+    media = {name: value for name, value in media.items() if value is not None}
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, int(real.sum()), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
-    return _loop(model, input_ids, mask, cache, params, generator, stop_ids, pad, max_new_tokens, stats)
+    return _loop(
+        model, input_ids, mask, cache, params, generator, stop_ids, pad, max_new_tokens, stats, media
+    )
 
 
 def _loop(
@@ -167,6 +203,7 @@ def _loop(
     pad: torch.Tensor,
     max_new_tokens: int,
     stats: GenerationStats,
+    media: dict[str, torch.Tensor],
 ) -> Iterator[torch.Tensor]:
     # The penalty looks at the prompt's real tokens and everything generated so far.
     history, history_mask = input_ids, mask
@@ -174,7 +211,7 @@ def _loop(
     if max_new_tokens == 0:
         return
     started = time.perf_counter()
-    logits = prefill(model, input_ids, mask, cache)
+    logits = prefill(model, input_ids, mask, cache, **media)
     for step in range(max_new_tokens):
         tokens = next_token(logits, params, generator=generator, history=history, history_mask=history_mask)
         tokens = torch.where(unfinished, tokens, pad)
@@ -216,6 +253,11 @@ def generate(
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
+    pixel_values: torch.Tensor | None = None,
+    image_position_ids: torch.Tensor | None = None,
+    input_features: torch.Tensor | None = None,
+    input_features_mask: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
@@ -230,6 +272,11 @@ def generate(
     * ``max_new_tokens`` is cut to what the model's context leaves after the longest prompt; a
       prompt that fills the context raises ValueError.
     * ``cache``: a ``model.make_cache(B, >= L + N)`` to reuse (it is reset first).
+    * Media, as transformers' Gemma 4 processor returns them (``torchgemma.processing.
+      prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
+      ``image_position_ids``, ``input_features`` with ``input_features_mask``, and
+      ``mm_token_type_ids`` (B, L). They are used by the prefill only, so
+      ``generate(model, **processor_outputs, ...)`` works as with transformers.
     """
     tokens = list(
         stream(
@@ -247,6 +294,11 @@ def generate(
             generation_config=generation_config,
             cache=cache,
             stats=stats,
+            pixel_values=pixel_values,
+            image_position_ids=image_position_ids,
+            input_features=input_features,
+            input_features_mask=input_features_mask,
+            mm_token_type_ids=mm_token_type_ids,
         )
     )
     input_ids = input_ids.to(model.device)

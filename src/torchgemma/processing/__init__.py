@@ -2,5 +2,23 @@
 
 from .audio import num_audio_tokens, process_audio
 from .image import ImageResizeTarget, image_resize_target, process_images
+from .prompt import (
+    MediaTokens,
+    audio_soft_token_counts,
+    collect_media,
+    expand_placeholders,
+    prepare_media_prompts,
+)
 
-__all__ = ["ImageResizeTarget", "image_resize_target", "num_audio_tokens", "process_audio", "process_images"]
+__all__ = [
+    "ImageResizeTarget",
+    "MediaTokens",
+    "audio_soft_token_counts",
+    "collect_media",
+    "expand_placeholders",
+    "image_resize_target",
+    "num_audio_tokens",
+    "prepare_media_prompts",
+    "process_audio",
+    "process_images",
+]

@@ -1,0 +1,173 @@
+"""Prompts with media: placeholders expanded into soft-token runs, as transformers' Gemma 4 processor.
+
+Each ``<|image|>`` of a prompt becomes ``<|image>`` + n × ``<|image|>`` + ``<image|>`` (n: that image's
+soft tokens) and each ``<|audio|>`` becomes ``<|audio>`` + n × ``<|audio|>`` + ``<audio|>`` (n: from
+that clip's frame mask), the i-th placeholder of a kind taking the i-th item of that kind, row after
+row (processing_gemma4.py ``replace_*_token``, processing_utils.py ``get_text_with_replacements``).
+``mm_token_type_ids`` marks soft tokens: 1 image, 2 video, 3 audio, 0 otherwise.
+
+Ids are expanded rather than text: the placeholders and the tokens around them are special tokens,
+which the tokenizer never merges with their neighbours, so the ids come out the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .audio import AudioInput, process_audio
+from .image import ImageInput, process_images
+
+IMAGE_TYPE, VIDEO_TYPE, AUDIO_TYPE = 1, 2, 3  # processing_utils.py create_mm_token_type_ids
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """Ids of the placeholder and boundary tokens, as the tokenizer (and the processor) knows them."""
+
+    image: int
+    image_start: int
+    image_end: int
+    audio: int
+    audio_start: int
+    audio_end: int
+    video: int | None = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> MediaTokens:
+        """From a ``torchgemma.Tokenizer`` (raises ``UnknownTokenError`` if one is missing)."""
+        names = ("image", "image_start", "image_end", "audio", "audio_start", "audio_end")
+        ids = {name: getattr(tokenizer, f"{name}_id") for name in names}
+        try:
+            video = tokenizer.video_id
+        except KeyError:  # UnknownTokenError: an older vocabulary without <|video|>
+            video = None
+        return cls(**ids, video=video)
+
+
+def audio_soft_token_counts(input_features_mask: torch.Tensor) -> list[int]:
+    """Soft tokens per clip (n_clips, frames) mask: the valid frames kept by two stride-2 convolutions.
+
+    The processor's own arithmetic (``replace_audio_token``), so padded batches count the same.
+    """
+    counts = []
+    for mask in input_features_mask:
+        for _ in range(2):
+            length = (len(mask) + 2 - 3) // 2 + 1
+            mask = mask[::2][:length]
+        counts.append(int(mask.sum()))
+    return counts
+
+
+def expand_placeholders(
+    rows: Sequence[Sequence[int]],
+    tokens: MediaTokens,
+    image_soft_tokens: Sequence[int] = (),
+    audio_soft_tokens: Sequence[int] = (),
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Expand every placeholder of every row; returns (expanded rows, their mm_token_type_ids).
+
+    The number of ``<|image|>`` / ``<|audio|>`` placeholders over all rows must equal the number of
+    images / clips (ValueError otherwise, as the processor raises).
+    """
+    kinds = (
+        ("image", tokens.image, image_soft_tokens, "images"),
+        ("audio", tokens.audio, audio_soft_tokens, "audio clips"),
+    )
+    for kind, token, counts, items in kinds:
+        found = sum(list(row).count(token) for row in rows)
+        if found != len(counts):
+            placeholder = "<|image|>" if kind == "image" else "<|audio|>"
+            raise ValueError(
+                f"the prompt has {found} {kind} placeholder(s) ({placeholder}) but {len(counts)} "
+                f"{items} were given; each {kind} needs exactly one placeholder"
+            )
+    if tokens.video is not None and any(tokens.video in row for row in rows):
+        raise ValueError("the prompt has <|video|> placeholders, but video input is not supported here")
+
+    images, clips = iter(image_soft_tokens), iter(audio_soft_tokens)
+    runs = {
+        tokens.image: lambda: [tokens.image_start, *[tokens.image] * next(images), tokens.image_end],
+        tokens.audio: lambda: [tokens.audio_start, *[tokens.audio] * next(clips), tokens.audio_end],
+    }
+    types = {tokens.image: IMAGE_TYPE, tokens.audio: AUDIO_TYPE}
+    if tokens.video is not None:
+        types[tokens.video] = VIDEO_TYPE
+    expanded, type_rows = [], []
+    for row in rows:
+        ids: list[int] = []
+        for token in row:
+            ids.extend(runs[token]() if token in runs else (token,))
+        expanded.append(ids)
+        type_rows.append([types.get(token, 0) for token in ids])
+    return expanded, type_rows
+
+
+def prepare_media_prompts(
+    rows: Sequence[Sequence[int]],
+    tokens: MediaTokens,
+    images: Sequence[ImageInput] = (),
+    audio: Sequence[AudioInput] = (),
+    max_soft_tokens: int = 280,
+) -> dict[str, Any]:
+    """Token rows with placeholders plus their media -> what the model's prefill takes.
+
+    Returns ``input_ids`` and ``mm_token_type_ids`` (lists of rows, unpadded), and the tensors of
+    ``process_images`` (``pixel_values``, ``image_position_ids``) and ``process_audio``
+    (``input_features``, ``input_features_mask``) for the kinds given.
+    """
+    out: dict[str, Any] = {}
+    image_counts: list[int] = []
+    audio_counts: list[int] = []
+    if images:
+        processed = process_images(list(images), max_soft_tokens=max_soft_tokens)
+        image_counts = processed.pop("num_soft_tokens")
+        out.update(processed)
+    if audio:
+        processed = process_audio(list(audio))
+        audio_counts = audio_soft_token_counts(processed["input_features_mask"])
+        out.update(processed)
+    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(rows, tokens, image_counts, audio_counts)
+    return out
+
+
+# Content-item keys that hold the media, in transformers' order (processing_utils.py, apply_chat_template).
+_IMAGE_KEYS = ("image", "url", "path")
+_AUDIO_KEYS = ("audio", "url", "path")
+
+
+def collect_media(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[Any]]:
+    """The images and audio clips of a conversation's content items, in the order the template
+    writes their placeholders: ``{"type": "image", "image" | "url" | "path": ...}`` and
+    ``{"type": "audio", "audio" | "url" | "path": ...}``."""
+    images, audio = [], []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        for item in content:
+            kind = item.get("type") if isinstance(item, Mapping) else None
+            if kind == "image":
+                images.append(_media_source(item, _IMAGE_KEYS, kind))
+            elif kind == "audio":
+                audio.append(_media_source(item, _AUDIO_KEYS, kind))
+            elif kind == "video":
+                raise ValueError("video content items are not supported")
+    return images, audio
+
+
+def _media_source(item: Mapping[str, Any], keys: tuple[str, ...], kind: str) -> Any:
+    value = next((item[key] for key in keys if item.get(key) is not None), None)
+    if value is None:
+        raise ValueError(f"{kind} content item without any of the keys {list(keys)}: {dict(item)!r}")
+    if isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            raise ValueError(f"{kind} URLs are not fetched; download the file and pass its path: {value!r}")
+        if value.startswith("file://"):
+            value = value[len("file://") :]
+        return Path(value)
+    return value
