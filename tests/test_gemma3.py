@@ -128,3 +128,38 @@ def test_bidirectional_model_refuses_a_cache(gemma3_checkpoints):
     model = torchgemma.load(gemma3_checkpoints["embedding"])
     with pytest.raises(ValueError, match="cannot use a KV cache"):
         model(torch.tensor([[4, 5, 6]]), cache=model.make_cache(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemma3_multimodal_layout_text_logits(tmp_path, dtype):
+    """model_type gemma3 (Gemma3ForConditionalGeneration): its text model loads; the SigLIP tower is skipped."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    text = {**COMMON, **GEMMA3_STYLES["4b"]}
+    config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(config)
+    randomize_(model, 31)
+    model.save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager").eval()
+    ours = torchgemma.load(tmp_path, dtype=dtype)
+    assert ours.config.model_type == "gemma3" and ours.config.vision_config is None
+    ids = torch.randint(3, 300, (1, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs, mine = ref(input_ids=ids).logits, ours(ids)
+    if dtype == torch.bfloat16:
+        assert torch.equal(mine, theirs)
+    else:
+        assert (mine - theirs).abs().max().item() <= 1e-5

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import sys
@@ -801,3 +802,24 @@ def test_real_parser_agrees_with_gguf_reader(real_gguf):
             tuple(tensor.shape.tolist()),
             tensor.data_offset,
         )
+
+
+@pytest.mark.parametrize("name", [*GEMMA4_STYLES, "gemma3"])
+def test_gguf_loads_as_a_model_with_the_logits_of_its_values(synthetic, name):
+    """torchgemma.load(file.gguf) builds the model: logits equal transformers' on the values the file holds."""
+    import torchgemma
+
+    path, source, expected = synthetic(name)
+    reference = copy.deepcopy(source)
+    # The file has no lm_head (tied) and no buffers that are not weights: nothing else may be missing.
+    result = reference.load_state_dict({k: torch.as_tensor(v) for k, v in expected.items()}, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    reference.set_attn_implementation("eager")
+    if getattr(reference.config, "enable_moe_block", False):
+        reference.set_experts_implementation("eager")
+    model = torchgemma.load(path)
+    assert model.dtype == torch.float32
+    ids = torch.randint(3, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), reference.eval()(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5

@@ -13,6 +13,7 @@ Two field styles are accepted for the full-attention geometry:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -355,9 +356,14 @@ class ModelConfig:
         for name, sub in (("vision_config", vision), ("audio_config", audio)):
             if sub is not None and not isinstance(sub, dict):
                 raise ConfigError(f"{name} must be an object or null, got {type(sub).__name__}")
+        text = _text_config_from_hf(text_data, gemma3=model_type.startswith("gemma3"))
+        if model_type == "gemma3" and text.final_logit_softcapping is not None:
+            # transformers 5.23's Gemma3ForConditionalGeneration never soft-caps its logits (only
+            # Gemma3ForCausalLM does; published Gemma 3 configs set the cap to null): follow it.
+            text = dataclasses.replace(text, final_logit_softcapping=None)
         return cls(
             model_type=model_type,
-            text=_text_config_from_hf(text_data, gemma3=model_type.startswith("gemma3")),
+            text=text,
             vision=vision,
             audio=audio,
             token_ids=token_ids,

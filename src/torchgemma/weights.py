@@ -29,6 +29,8 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
     text = config.text
     if name.startswith("model.language_model."):  # gemma4 (multimodal) checkpoints
         name = "language_model." + name[len("model.language_model.") :]
+    elif name.startswith("language_model.model."):  # gemma3 multimodal checkpoints, as published
+        name = "language_model." + name[len("language_model.model.") :]
     elif name.startswith("model.") and config.model_type in ("gemma4_text", "gemma3_text"):  # *ForCausalLM
         name = "language_model." + name[len("model.") :]
     elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
