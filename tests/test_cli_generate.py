@@ -9,20 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from test_llm import _variant, llm_checkpoint  # noqa: F401  (the session fixture)
 from torchgemma.cli import main
 from torchgemma.llm import LLM, ChatChunk
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine their syncs stall badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -50,13 +50,8 @@ def llm_checkpoint(tmp_path_factory) -> Path:
     return build_llm_checkpoint(tmp_path_factory.mktemp("llm") / "tiny-e2b-it")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine their syncs stall badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,8 @@ NEW = 12
 SOFT_TOKENS = 70  # the smallest image budget keeps the prompts short
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine their syncs stall badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def media_token_ids() -> dict[str, int]:
