@@ -317,9 +317,10 @@ def _check_against_source(path: Path, model, expected: dict) -> None:
         else transformers.Gemma3ForCausalLM
     )
     fresh = head(rebuilt)
-    result = fresh.load_state_dict(ours, strict=False)
-    assert result.unexpected_keys == []
-    assert result.missing_keys == (["lm_head.weight"] if tied else [])
+    # Strict: every tensor of the model comes from the file (a tied head is the embedding itself).
+    assert tied == ("lm_head.weight" not in ours)
+    tied_head = {"lm_head.weight": ours["model.embed_tokens.weight"]} if tied else {}
+    fresh.load_state_dict({**ours, **tied_head})
 
 
 @pytest.mark.parametrize("name", ["e2b", "e4b", "26b", "31b"])
@@ -811,9 +812,9 @@ def test_gguf_loads_as_a_model_with_the_logits_of_its_values(synthetic, name):
 
     path, source, expected = synthetic(name)
     reference = copy.deepcopy(source)
-    # The file has no lm_head (tied) and no buffers that are not weights: nothing else may be missing.
-    result = reference.load_state_dict({k: torch.as_tensor(v) for k, v in expected.items()}, strict=False)
-    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    # Strict: the file holds every tensor but the tied head, which is the embedding itself.
+    values = {k: torch.as_tensor(v) for k, v in expected.items()}
+    reference.load_state_dict({**values, "lm_head.weight": values["model.embed_tokens.weight"]})
     reference.set_attn_implementation("eager")
     if getattr(reference.config, "enable_moe_block", False):
         reference.set_experts_implementation("eager")
