@@ -321,7 +321,7 @@ def test_vision_block_ids():
 
 def test_checkpoint_without_audio_has_no_audio_tower(large_checkpoint):
     model = torchgemma.load(large_checkpoint)
-    assert model.config.audio is None and model.config.audio_config is None
+    assert model.config.audio_config is None
     assert not hasattr(model, "audio_tower") and not hasattr(model, "embed_audio")
     names = {n.split(".")[0] for n, _ in model.named_parameters()}
     assert names == {"language_model", "vision_tower", "embed_vision"}

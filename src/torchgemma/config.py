@@ -237,10 +237,6 @@ class TextConfig:
     def first_kv_shared_layer(self) -> int:
         return self.num_hidden_layers - self.num_kv_shared_layers
 
-    @property
-    def max_head_dim(self) -> int:
-        return max(spec.head_dim for spec in self.layers)
-
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -295,13 +291,10 @@ class ModelConfig:
 
     model_type: str
     text: TextConfig
-    # The raw ``vision_config`` / ``audio_config`` objects of config.json (None when absent).
-    vision: dict | None
-    audio: dict | None
     token_ids: dict[str, int]
     # The checkpoint's own dtype ("bfloat16", ...), when config.json names one.
     dtype: str | None
-    # The towers the model builds, parsed from ``vision`` / ``audio``.
+    # The towers the model builds (None when config.json has none).
     vision_config: VisionConfig | None = None
     audio_config: AudioConfig | None = None
 
@@ -364,8 +357,6 @@ class ModelConfig:
         return cls(
             model_type=model_type,
             text=text,
-            vision=vision,
-            audio=audio,
             token_ids=token_ids,
             dtype=dtype,
             vision_config=None if vision is None else _vision_config_from_hf(vision),
