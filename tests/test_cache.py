@@ -1,4 +1,5 @@
-"""The KV cache: chunked prefill and decode far past the sliding window's wrap-around."""
+"""The KV cache: slots, chunked prefill and decode far past the sliding window's wrap-around,
+rollback, freeing and reuse, and the static decode step."""
 
 import pytest
 import torch
@@ -8,6 +9,9 @@ from checkpoints import STYLES, reference_model
 from torchgemma.cache import FullLayerCache, SlidingLayerCache
 
 WINDOW = 5  # the tiny checkpoints' sliding window
+BACKENDS = ["eager", "sdpa"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch(length: int, seed: int = 0):
@@ -31,77 +35,91 @@ def run_in_chunks(model, ids, mask, chunks: list[int], max_len: int):
     return torch.cat(out, dim=1), cache
 
 
+CHUNKINGS = {
+    "prefill+decode": [7] + [1] * 23,  # prefill past the window, then decode through four wrap-arounds
+    "mixed-chunks": [3, 9, 2, 1, 1, 6, 4, 1, 3],  # shorter and longer than the window; row 1 starts empty
+    "token-by-token": [1] * 30,
+}
+
+
 @pytest.mark.parametrize("style", list(STYLES))
-@pytest.mark.parametrize(
-    "chunks",
-    [
-        [7] + [1] * 23,  # prefill past the window, then decode through four wrap-arounds
-        [3, 9, 2, 1, 1, 6, 4, 1, 3],  # chunks shorter and longer than the window
-        [1] * 30,  # token by token from the start
-    ],
-    ids=["prefill+decode", "mixed-chunks", "token-by-token"],
-)
+@pytest.mark.parametrize("chunks", list(CHUNKINGS))
 def test_cached_equals_full_forward(text_checkpoints, style, chunks):
-    model = torchgemma.load(text_checkpoints[style], dtype=torch.float32)
-    ids, mask = batch(sum(chunks))
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.float32, attention="eager")
+    ids, mask = batch(sum(CHUNKINGS[chunks]))
     with torch.no_grad():
         full = model(ids, attention_mask=mask)
-    cached, cache = run_in_chunks(model, ids, mask, chunks, max_len=40)
+    cached, cache = run_in_chunks(model, ids, mask, CHUNKINGS[chunks], max_len=40)
     valid = mask.bool()  # padding positions attend to nothing real: their outputs are meaningless
     # Reduction order differs between shapes (one row vs many): logits up to ±30 agree to ~1e-4.
     torch.testing.assert_close(cached[valid], full[valid], rtol=0, atol=5e-4)
-    assert cache.length == ids.shape[1]
-    assert cache.next_position.tolist() == mask.sum(-1).tolist()
+    # Each slot holds its row's real tokens only: padding is not stored.
+    assert cache.lengths == mask.sum(-1).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_cached_equals_full_forward_in_float64(text_checkpoints, style, backend):
+    """In float64 rounding vanishes: the slot layout (padding skipped, ring reads) is the same math."""
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.float64, attention=backend)
+    ids, mask = batch(24, seed=4)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask)
+    cached, _ = run_in_chunks(model, ids, mask, [7, 2] + [1] * 15, max_len=30)
+    valid = mask.bool()
+    assert (cached[valid] - full[valid]).abs().max() < 1e-10
 
 
 @pytest.mark.parametrize("style", list(STYLES))
-def test_cached_decode_matches_transformers_cached_decode(text_checkpoints, style):
-    """bf16: our ring-buffer decode equals transformers' DynamicCache decode to the bit."""
+def test_slots_decode_like_transformers_alone(text_checkpoints, style):
+    """bf16: two sequences of different lengths in two slots, decoded together, each equal to the bit
+    to transformers' DynamicCache decode of that sequence alone."""
     from transformers import DynamicCache
 
     folder = text_checkpoints[style]
-    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
     ref = reference_model(folder, torch.bfloat16)
-    ids, mask = batch(22, seed=3)
-    prefill = 7
-    ours, _ = run_in_chunks(model, ids, mask, [prefill] + [1] * (22 - prefill), max_len=22)
-
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    ref_cache = DynamicCache(config=ref.config)
-    steps = [(0, prefill)] + [(t, t + 1) for t in range(prefill, 22)]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (1, n), generator=gen) for n in (7, 3)]
+    steps = 15
+    new = torch.randint(3, 300, (2, steps), generator=gen)  # fed tokens (teacher forcing)
+    cache = model.make_cache(2, 7 + steps)
     with torch.no_grad():
-        theirs = torch.cat(
-            [
-                ref(
-                    input_ids=ids[:, a:b],
-                    attention_mask=mask[:, :b],
-                    position_ids=positions[:, a:b],
-                    past_key_values=ref_cache,
-                    use_cache=True,
-                ).logits
-                for a, b in steps
-            ],
-            dim=1,
-        )
-    assert torch.equal(ours, theirs), f"max |Δ| = {(ours.float() - theirs.float()).abs().max()}"
+        ours = [[model(prompt, cache=cache, slots=[row])] for row, prompt in enumerate(prompts)]
+        for t in range(steps):
+            logits = model(new[:, t : t + 1], cache=cache)  # rows 0 and 1 -> slots 0 and 1
+            for row in range(2):
+                ours[row].append(logits[row : row + 1])
+    assert cache.lengths == [7 + steps, 3 + steps]
+    for row, prompt in enumerate(prompts):
+        ref_cache = DynamicCache(config=ref.config)
+        with torch.no_grad():
+            theirs = [ref(input_ids=prompt, past_key_values=ref_cache, use_cache=True).logits]
+            for t in range(steps):
+                theirs.append(ref(input_ids=new[row : row + 1, t : t + 1], past_key_values=ref_cache).logits)
+        ours_row, theirs_row = torch.cat(ours[row], 1), torch.cat(theirs, 1)
+        assert torch.equal(ours_row, theirs_row), f"row {row}: max |Δ| {(ours_row - theirs_row).abs().max()}"
 
 
 def test_cache_layout_is_the_architectural_minimum(text_checkpoints):
-    """Full layers: max_len slots; sliding layers: window slots; KV-shared layers: nothing."""
+    """Full layers: max_len columns; sliding layers: W - 1 + max_rollback; KV-shared layers: nothing."""
     model = torchgemma.load(text_checkpoints["e2b"])
-    cache = model.make_cache(batch_size=3, max_len=64)
-    for spec, layer_cache in zip(model.config.text.layers, cache.layers):
-        if spec.kv_role == "reuse":
-            assert layer_cache is None
-        elif spec.is_sliding:
-            assert isinstance(layer_cache, SlidingLayerCache)
-            assert layer_cache.keys.shape == (3, spec.num_kv_heads, WINDOW, spec.head_dim)
-        else:
-            assert isinstance(layer_cache, FullLayerCache)
-            assert layer_cache.keys.shape == (3, spec.num_kv_heads, 64, spec.head_dim)
-    # e2b tiny: layers 0-5 own their K/V ([s, s, s, s, f, s]): 5 sliding (5 slots x 16 dims) and
-    # 1 full (64 slots x 32 dims), 1 KV head; K and V, batch 3, float32.
-    assert cache.nbytes == 2 * 3 * 4 * (5 * 5 * 16 + 1 * 64 * 32)
+    for rollback in (0, 3):
+        cache = model.make_cache(batch_size=3, max_len=64, max_rollback=rollback)
+        for spec, layer_cache in zip(model.config.text.layers, cache.layers):
+            if spec.kv_role == "reuse":
+                assert layer_cache is None
+            elif spec.is_sliding:
+                assert isinstance(layer_cache, SlidingLayerCache)
+                assert layer_cache.keys.shape == (3, spec.num_kv_heads, WINDOW - 1 + rollback, spec.head_dim)
+            else:
+                assert isinstance(layer_cache, FullLayerCache)
+                assert layer_cache.keys.shape == (3, spec.num_kv_heads, 64, spec.head_dim)
+        # e2b tiny: layers 0-5 own their K/V ([s, s, s, s, f, s]): 5 sliding (ring x 16 dims) and
+        # 1 full (64 columns x 32 dims), 1 KV head; K and V, batch 3, float32.
+        assert cache.nbytes == 2 * 3 * 4 * (5 * (WINDOW - 1 + rollback) * 16 + 1 * 64 * 32)
+    # Never more columns than a sequence can have.
+    assert model.make_cache(1, 3).layers[0].keys.shape[2] == 3
 
 
 def test_cache_overflow_and_batch_mismatch_are_errors(text_checkpoints):
@@ -109,19 +127,126 @@ def test_cache_overflow_and_batch_mismatch_are_errors(text_checkpoints):
     cache = model.make_cache(batch_size=1, max_len=8)
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache)
-        with pytest.raises(ValueError, match="cache holds 8 tokens; 6 are used and this call adds 3"):
+        with pytest.raises(
+            ValueError, match="cache holds 8 tokens; 6 are used in slot 0 and this call adds 3"
+        ):
             model(torch.tensor([[5, 6, 7]]), cache=cache)
         with pytest.raises(ValueError, match="batch size 1"):
             model(torch.tensor([[5], [6]]), cache=cache)
+        with pytest.raises(ValueError, match="slot 4 does not exist"):
+            model(torch.tensor([[5]]), cache=cache, slots=[4])
+    two = model.make_cache(batch_size=2, max_len=8)
+    with pytest.raises(ValueError, match="one slot twice"):
+        model(torch.tensor([[5], [6]]), cache=two, slots=[1, 1])
 
 
 def test_cache_reset_reuses_buffers(text_checkpoints):
-    model = torchgemma.load(text_checkpoints["e4b"])
+    model = torchgemma.load(text_checkpoints["e4b"], attention="eager")
     ids, mask = batch(12)
     first, cache = run_in_chunks(model, ids, mask, [4, 8], max_len=12)
     cache.reset()
+    assert cache.lengths == [0, 0]
     with torch.no_grad():
         again = torch.cat(
             [model(ids[:, :4], mask[:, :4], cache=cache), model(ids[:, 4:], mask[:, 4:], cache=cache)], 1
         )
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_freed_slot_is_reused_at_once(text_checkpoints, style):
+    """A slot freed mid-run serves a new sequence at the next call, as a fresh cache would, while
+    the other slot's sequence goes on undisturbed."""
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.bfloat16, attention="eager")
+    gen = torch.Generator().manual_seed(8)
+    a, b, c = (torch.randint(3, 300, (1, n), generator=gen) for n in (12, 9, 11))
+    cache = model.make_cache(2, 16)
+    with torch.no_grad():
+        model(a[:, :6], cache=cache, slots=[0])
+        model(b, cache=cache, slots=[1])
+        cache.free(1)
+        assert cache.lengths == [6, 0]
+        reused = model(c, cache=cache, slots=[1])
+        rest = model(a[:, 6:], cache=cache, slots=[0])
+        fresh = model.make_cache(1, 16)
+        assert torch.equal(reused, model(c, cache=fresh))
+        alone = model.make_cache(1, 16)
+        model(a[:, :6], cache=alone)
+        assert torch.equal(rest, model(a[:, 6:], cache=alone))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_rollback_then_redecode_is_identical(text_checkpoints, style, backend):
+    """Taking back k tokens (past the ring's wrap-around) and feeding other tokens gives what a
+    sequence that never saw the taken-back tokens gets, to the bit."""
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.bfloat16, attention=backend)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 300, (1, 9), generator=gen)
+    drafts, accepted = torch.randint(3, 300, (2, 4), generator=gen)
+    cache = model.make_cache(1, 24, max_rollback=4)
+    straight = model.make_cache(1, 24)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        model(drafts[None], cache=cache)  # a verify step: 4 draft tokens at once
+        cache.rollback(0, 4)
+        assert cache.lengths == [9]
+        after = torch.cat([model(accepted[None, t : t + 1], cache=cache) for t in range(4)], 1)
+        model(prompt, cache=straight)
+        expected = torch.cat([model(accepted[None, t : t + 1], cache=straight) for t in range(4)], 1)
+    assert torch.equal(after, expected)
+
+
+def test_rollback_limits(text_checkpoints):
+    model = torchgemma.load(text_checkpoints["31b"])
+    cache = model.make_cache(1, 24, max_rollback=2)
+    with torch.no_grad():
+        model(torch.arange(3, 13)[None], cache=cache)
+    with pytest.raises(ValueError, match="cannot take back 11"):
+        cache.rollback(0, 11)
+    with pytest.raises(ValueError, match="can go back to 8 tokens at most"):
+        cache.rollback(0, 3)
+    cache.rollback(0, 1)
+    cache.rollback(0, 1)  # two steps of one: still within the 2 the ring keeps
+    with pytest.raises(ValueError, match="can go back to 8"):
+        cache.rollback(0, 1)
+    # Without a ring to outrun (the sequence fits in the window's columns) any rollback works.
+    short = model.make_cache(1, 4)
+    with torch.no_grad():
+        model(torch.arange(3, 7)[None], cache=short)
+    short.rollback(0, 4)
+    assert short.lengths == [0]
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_static_decode_step_matches_the_cached_forward(text_checkpoints, style):
+    """TextModel.decode (static shapes over every slot) equals per-slot cached decoding, and slots
+    it is told are idle are left exactly as they were."""
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.float32, attention="sdpa")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 300, (1, n), generator=gen) for n in (8, 3, 6)]
+    static, reference = model.make_cache(3, 20), model.make_cache(3, 20)
+    with torch.no_grad():
+        for cache in (static, reference):
+            for slot, prompt in enumerate(prompts):
+                model(prompt, cache=cache, slots=[slot])
+        for step in range(9):
+            if step == 1:  # slot 1 idles in steps 1 and 2
+                idle_before = [
+                    (c.keys[1].clone(), c.values[1].clone()) for c in static.layers if c is not None
+                ]
+            active = torch.tensor([True, step % 3 == 0, True])  # slot 1 decodes every third step only
+            tokens = torch.randint(3, 300, (3, 1), generator=gen)
+            positions = torch.tensor(static.lengths)
+            ours = model.language_model.decode(tokens, static, positions, active)
+            live = [s for s in range(3) if active[s]]
+            static.advance(live)
+            theirs = model(tokens[live], cache=reference, slots=live)
+            torch.testing.assert_close(ours[live], theirs, rtol=0, atol=5e-5)
+            if step == 2:  # nothing of the idle slot changed
+                after = [(c.keys[1], c.values[1]) for c in static.layers if c is not None]
+                assert all(
+                    torch.equal(k0, k1) and torch.equal(v0, v1)
+                    for (k0, v0), (k1, v1) in zip(idle_before, after)
+                )
+    assert static.lengths == reference.lengths

@@ -63,7 +63,7 @@ def test_gemma3_logits_match_transformers(gemma3_checkpoints, style, dtype):
 
     folder = gemma3_checkpoints[style]
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
-    model = torchgemma.load(folder, dtype=dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 300, (2, 15), generator=gen)
     mask = torch.ones_like(ids)
@@ -113,7 +113,7 @@ def test_gemma3_old_style_rope_keys():
 
 
 def test_gemma3_cache_decoding_equals_full_forward(gemma3_checkpoints):
-    model = torchgemma.load(gemma3_checkpoints["4b"])
+    model = torchgemma.load(gemma3_checkpoints["4b"], attention="eager")
     ids = torch.randint(3, 300, (1, 20), generator=torch.Generator().manual_seed(3))
     cache = model.make_cache(1, 20)
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_gemma3_cache_decoding_equals_full_forward(gemma3_checkpoints):
 
 
 def test_bidirectional_model_refuses_a_cache(gemma3_checkpoints):
-    model = torchgemma.load(gemma3_checkpoints["embedding"])
+    model = torchgemma.load(gemma3_checkpoints["embedding"], attention="eager")
     with pytest.raises(ValueError, match="cannot use a KV cache"):
         model(torch.tensor([[4, 5, 6]]), cache=model.make_cache(1, 8))
 
@@ -154,7 +154,7 @@ def test_gemma3_multimodal_layout_text_logits(tmp_path, dtype):
     randomize_(model, 31)
     model.save_pretrained(tmp_path)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager").eval()
-    ours = torchgemma.load(tmp_path, dtype=dtype)
+    ours = torchgemma.load(tmp_path, dtype=dtype, attention="eager")
     assert ours.config.model_type == "gemma3" and ours.config.vision_config is None
     ids = torch.randint(3, 300, (1, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

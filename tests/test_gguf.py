@@ -818,7 +818,7 @@ def test_gguf_loads_as_a_model_with_the_logits_of_its_values(synthetic, name):
     reference.set_attn_implementation("eager")
     if getattr(reference.config, "enable_moe_block", False):
         reference.set_experts_implementation("eager")
-    model = torchgemma.load(path)
+    model = torchgemma.load(path, attention="eager")
     assert model.dtype == torch.float32
     ids = torch.randint(3, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

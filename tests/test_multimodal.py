@@ -132,7 +132,7 @@ def omni_inputs():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_e2b_images_and_audio_match_transformers(omni_checkpoint, dtype):
     ref = reference_model(omni_checkpoint, dtype)
-    model = torchgemma.load(omni_checkpoint, dtype=dtype)
+    model = torchgemma.load(omni_checkpoint, dtype=dtype, attention="eager")
     inputs = omni_inputs()
     with torch.no_grad():
         ours = model(**inputs)
@@ -169,7 +169,7 @@ def test_e2b_clip_bounds_clamp(omni_checkpoint):
 
 def test_e2b_text_only_and_cached_decode(omni_checkpoint):
     """A prompt with media, then decode steps through the cache: equal to one uncached forward."""
-    model = torchgemma.load(omni_checkpoint, dtype=torch.float32)
+    model = torchgemma.load(omni_checkpoint, dtype=torch.float32, attention="eager")
     inputs = omni_inputs()
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     extra = torch.randint(3, 250, (2, 3), generator=torch.Generator().manual_seed(0))
@@ -186,12 +186,13 @@ def test_e2b_text_only_and_cached_decode(omni_checkpoint):
         for t in range(extra.shape[1]):
             steps.append(model(extra[:, t : t + 1], cache=cache))
     valid = full["attention_mask"].bool()  # padding positions attend to nothing real
-    # Decode steps run other matmul shapes than the full forward: last-bit differences only.
-    torch.testing.assert_close(torch.cat(steps, 1)[valid], whole[valid], rtol=0, atol=1e-4)
+    # Decode steps run other matmul shapes than the full forward (and the padded row's cached keys
+    # leave its padding out): float32 rounding only, as test_cache's float64 check shows.
+    torch.testing.assert_close(torch.cat(steps, 1)[valid], whole[valid], rtol=0, atol=5e-4)
 
 
 def test_soft_token_count_mismatch_is_named(omni_checkpoint):
-    model = torchgemma.load(omni_checkpoint)
+    model = torchgemma.load(omni_checkpoint, attention="eager")
     inputs = omni_inputs()
     inputs["input_ids"] = inputs["input_ids"].clone()
     first = int((inputs["input_ids"][0] == IDS["image"]).nonzero()[0, 0])
@@ -245,7 +246,7 @@ def large_inputs(with_video: bool):
 @pytest.mark.parametrize("with_types", [True, False], ids=["bidirectional", "causal"])
 def test_31b_images_match_transformers(large_checkpoint, dtype, with_types):
     ref = reference_model(large_checkpoint, dtype)
-    model = torchgemma.load(large_checkpoint, dtype=dtype)
+    model = torchgemma.load(large_checkpoint, dtype=dtype, attention="eager")
     inputs = large_inputs(with_video=True)
     if not with_types:  # without mm_token_type_ids the masks stay causal, as in the reference
         del inputs["mm_token_type_ids"]
@@ -258,7 +259,7 @@ def test_31b_images_match_transformers(large_checkpoint, dtype, with_types):
 
 def test_bidirectional_blocks_change_the_logits(large_checkpoint):
     """The image-block mask is not a no-op here: with it, an image's first token sees its last."""
-    model = torchgemma.load(large_checkpoint)
+    model = torchgemma.load(large_checkpoint, attention="eager")
     inputs = large_inputs(with_video=False)
     with torch.no_grad():
         bidirectional = model(**inputs)
@@ -272,7 +273,7 @@ def test_bidirectional_blocks_change_the_logits(large_checkpoint):
 
 def test_bidirectional_prefill_then_cached_decode(large_checkpoint):
     """Image blocks in a cached prefill, then text decode steps: equal to one uncached forward."""
-    model = torchgemma.load(large_checkpoint)
+    model = torchgemma.load(large_checkpoint, attention="eager")
     inputs = large_inputs(with_video=False)
     ids, mask, types = inputs["input_ids"], inputs["attention_mask"], inputs["mm_token_type_ids"]
     extra = torch.randint(3, 250, (2, 3), generator=torch.Generator().manual_seed(1))
@@ -320,7 +321,7 @@ def test_vision_block_ids():
 
 
 def test_checkpoint_without_audio_has_no_audio_tower(large_checkpoint):
-    model = torchgemma.load(large_checkpoint)
+    model = torchgemma.load(large_checkpoint, attention="eager")
     assert model.config.audio_config is None
     assert not hasattr(model, "audio_tower") and not hasattr(model, "embed_audio")
     names = {n.split(".")[0] for n, _ in model.named_parameters()}

@@ -39,7 +39,7 @@ def assert_match(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
 def test_logits_match_transformers(text_checkpoints, style, dtype):
     folder = text_checkpoints[style]
     ref = reference_model(folder, dtype)
-    model = torchgemma.load(folder, dtype=dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
     ids, mask = padded_batch(seed=list(STYLES).index(style))
     with torch.no_grad():
         ours = model(ids, attention_mask=mask)
@@ -55,7 +55,7 @@ def test_logits_to_keep_matches_transformers(text_checkpoints, style):
     """Keeping only the last position skips it through the KV-shared layers, as generate() does."""
     folder = text_checkpoints[style]
     ref = reference_model(folder, torch.bfloat16)
-    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
     ids, mask = padded_batch(seed=5)
     with torch.no_grad():
         ours = model(ids, attention_mask=mask, logits_to_keep=1)
@@ -68,7 +68,7 @@ def test_multimodal_layout_text_logits(multimodal_checkpoint, dtype):
     """A gemma4 (multimodal) checkpoint: text-only logits equal Gemma4ForConditionalGeneration's."""
     ref = reference_model(multimodal_checkpoint, dtype)
     assert type(ref).__name__ == "Gemma4ForConditionalGeneration"
-    model = torchgemma.load(multimodal_checkpoint, dtype=dtype)
+    model = torchgemma.load(multimodal_checkpoint, dtype=dtype, attention="eager")
     ids, mask = padded_batch(seed=9)
     with torch.no_grad():
         ours = model(ids, attention_mask=mask)

@@ -25,7 +25,7 @@ def real():
     path = gemma3_270m()
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = torchgemma.load("gemma3-270m", dtype=torch.float32)
+    model = torchgemma.load("gemma3-270m", dtype=torch.float32, attention="eager")
     tok = torchgemma.load_tokenizer("gemma3-270m")
     return ref, ref_tok, model, tok
 

@@ -1,122 +1,184 @@
-"""The KV cache: preallocated, passed in explicitly, sized to what the architecture needs.
+"""The KV cache: a fixed number of slots, each holding one sequence; preallocated, passed in explicitly.
 
-* Full-attention layers keep every token: ``max_len`` slots.
-* Sliding-window layers keep a ring buffer of exactly ``sliding_window`` slots.
-* KV-shared layers keep nothing: they attend to their source layer's keys and values, produced in
-  the same forward pass.
+Each slot has its own length: a forward call appends the real tokens of each of its rows to that
+row's slot, at positions ``length, length + 1, ...`` (a sequence has no holes; left padding in a call
+is skipped). A slot can be freed and reused at once, and its last tokens can be taken back.
 
-Every layer cache has one method, ``update(key, value, start)``: store the new keys/values of this
-call (which begin at absolute slot ``start``) and return the keys/values the call attends to, in
-chronological order. ``key_slots(start, length)`` names the absolute slots of those keys, so the
-model builds one mask per layer type. For a sliding layer that is the ``window - 1`` slots before the
-call plus the call's own: the same keys, in the same order, as the reference's dynamic cache, so the
-cached and uncached paths agree to the last bit on the same kernels.
+Per layer, for ``S`` slots:
+
+* Full attention: ``(S, Hkv, max_len, D)``; position ``p`` lives in column ``p``.
+* Sliding window: a ring of ``min(max_len, W - 1 + max_rollback)`` columns; position ``p`` lives
+  in column ``p % ring``.
+* KV-shared: nothing. Those layers attend to their source layer's keys and values, produced in the
+  same forward pass.
+
+**The ring rule.** A query sees ``W`` keys ending at itself. A call reads the ``W - 1`` keys before
+its first token from the ring *before* writing its own, and attends to those plus its own keys
+straight from the projection. So the ring only has to keep the ``W - 1`` keys the next call
+needs: chunked prefill needs no slack, whatever the chunk size. Taking back ``k`` tokens moves the
+next call's start back by ``k``, so ``k`` more old keys must survive: ``max_rollback`` columns of
+slack, and that is all.
+
+The cache keeps its bookkeeping (lengths) on the host, where the scheduler needs it; a call's
+positions, write columns and key layout are built from it once per call as a ``CacheStep``, which
+every layer reads. ``decode_step`` builds one from tensors alone, with static shapes, for a
+compiled decode over every slot.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .config import TextConfig
 
 
-class LayerCache(Protocol):
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+@dataclass
+class CacheStep:
+    """Where one forward call's tokens go, and which cached keys each row reads.
 
-    def key_slots(self, start: int, length: int, device: torch.device) -> torch.Tensor: ...
+    ``rows`` (B,) are the slots of the call's rows (``row_slice`` when they are a range, so reads
+    are views); ``positions`` (B, T) the position of every token (padding: any valid index);
+    ``written`` (B, T) which tokens are stored (None: all of them). ``ends`` (B, 1) is each row's
+    length after the call. Full layers read columns ``[0, full_span)``; sliding layers read the
+    ``past`` positions before each row's first token (B, P), valid where ``>= 0``.
+    ``active`` (B,) is set by ``decode_step``: rows it is False for write back what is there.
+    """
+
+    rows: torch.Tensor
+    row_slice: slice | None
+    positions: torch.Tensor
+    written: torch.Tensor | None
+    ends: torch.Tensor
+    full_span: int
+    past: torch.Tensor
+    active: torch.Tensor | None = None
+    # Host-side: each row's slot, real tokens and length before the call (None in decode_step).
+    slots: list[int] | None = None
+    counts: list[int] | None = None
+    starts: list[int] | None = None
+
+
+def _write(buffer: torch.Tensor, step: CacheStep, cols: torch.Tensor, new: torch.Tensor, keep) -> None:
+    """Store ``new`` (B, Hkv, T, D) at columns ``cols`` (B, T) of the rows' slots, where ``keep``."""
+    new = new.transpose(1, 2)  # (B, T, Hkv, D)
+    rows = step.rows[:, None].expand_as(cols)
+    if step.active is not None:
+        # Static decode over every slot: idle rows store what their column already holds.
+        old = buffer[rows, :, cols]
+        buffer[rows, :, cols] = torch.where(step.active[:, None, None, None], new, old)
+    elif keep is None:
+        buffer[rows, :, cols] = new
+    else:
+        buffer[rows[keep], :, cols[keep]] = new[keep]
+
+
+def _read(buffer: torch.Tensor, step: CacheStep, columns) -> torch.Tensor:
+    """The rows' slots of ``buffer`` at ``columns`` (a slice, or (B, P) indices): (B, Hkv, *, D)."""
+    if isinstance(columns, slice):
+        if step.row_slice is not None:
+            return buffer[step.row_slice, :, columns]
+        return buffer[step.rows, :, columns]
+    return buffer[step.rows[:, None], :, columns].transpose(1, 2)
 
 
 class FullLayerCache:
-    """Every token of the sequence, in slot order."""
+    """Every position of each slot's sequence, in column order."""
 
-    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device):
-        shape = (batch, heads, max_len, head_dim)
+    def __init__(self, slots: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device):
+        shape = (slots, heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + key.shape[2]
-        self.keys[:, :, start:end] = key
-        self.values[:, :, start:end] = value
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    @staticmethod
-    def key_slots(start: int, length: int, device) -> torch.Tensor:
-        return torch.arange(start + length, device=device)
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's keys/values, then return columns ``[0, full_span)`` of the rows' slots."""
+        cols = step.positions.clamp(max=self.keys.shape[2] - 1)
+        _write(self.keys, step, cols, key, step.written)
+        _write(self.values, step, cols, value, step.written)
+        span = slice(0, step.full_span)
+        return _read(self.keys, step, span), _read(self.values, step, span)
 
 
 class SlidingLayerCache:
-    """A ring buffer of ``window`` slots: slot ``p % window`` holds the token at absolute slot ``p``."""
+    """A ring buffer: column ``p % ring`` holds position ``p`` (see the ring rule above)."""
 
-    def __init__(self, batch: int, heads: int, window: int, head_dim: int, dtype: torch.dtype, device):
-        self.window = window
-        shape = (batch, heads, window, head_dim)
+    def __init__(self, slots: int, heads: int, ring: int, head_dim: int, dtype: torch.dtype, device):
+        self.ring = ring
+        shape = (slots, heads, ring, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        length = key.shape[2]
-        # A query sees `window` keys including itself: the earliest query of this call needs the
-        # window - 1 tokens before it. Read them before the new tokens overwrite their slots.
-        past = min(start, self.window - 1)
-        if past:
-            ring = torch.arange(start - past, start, device=key.device) % self.window
-            key_all = torch.cat((self.keys[:, :, ring], key), dim=2)
-            value_all = torch.cat((self.values[:, :, ring], value), dim=2)
-        else:
-            key_all, value_all = key, value
-        kept = min(length, self.window)
-        ring = torch.arange(start + length - kept, start + length, device=key.device) % self.window
-        self.keys[:, :, ring] = key[:, :, length - kept :]
-        self.values[:, :, ring] = value[:, :, length - kept :]
-        return key_all, value_all
-
-    def key_slots(self, start: int, length: int, device) -> torch.Tensor:
-        return torch.arange(start - min(start, self.window - 1), start + length, device=device)
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``P`` keys before the call (read first), then this call's own: (B, Hkv, P + T, D)."""
+        columns = step.past % self.ring
+        past_keys, past_values = _read(self.keys, step, columns), _read(self.values, step, columns)
+        # Only each sequence's last `ring` positions need storing (a chunk may be longer than the ring).
+        keep = step.positions >= step.ends - self.ring
+        if step.written is not None:
+            keep = keep & step.written
+        if step.active is not None or (step.written is None and key.shape[2] <= self.ring):
+            keep = None  # every token stays: no boolean selection (and no host sync)
+        cols = step.positions % self.ring
+        _write(self.keys, step, cols, key, keep)
+        _write(self.values, step, cols, value, keep)
+        return torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
 
 
 class KVCache:
-    """The cache of one batch of sequences for a text decoder.
+    """The caches of ``num_slots`` sequences of up to ``max_len`` tokens each, for a text decoder.
 
-    ``length`` slots have been written (the same for every row: left padding occupies slots too).
-    ``key_valid[b, s]`` says whether slot ``s`` of row ``b`` holds a real token rather than padding;
-    ``next_position[b]`` is the RoPE position the next real token of row ``b`` gets.
+    ``lengths[s]`` is the number of tokens slot ``s`` holds. Free a slot with ``free`` (it can be
+    reused at once) and take back its last tokens with ``rollback``; ``reset`` frees every slot.
     """
 
     def __init__(
         self,
         config: TextConfig,
-        batch_size: int,
+        num_slots: int,
         max_len: int,
         *,
+        max_rollback: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        if batch_size <= 0 or max_len <= 0:
-            raise ValueError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
-        self.batch_size = batch_size
+        if num_slots <= 0 or max_len <= 0:
+            raise ValueError(f"num_slots and max_len must be positive, got {num_slots} and {max_len}")
+        if max_rollback < 0:
+            raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
+        self.num_slots = num_slots
         self.max_len = max_len
-        self.layers: list[LayerCache | None] = []
+        self.max_rollback = max_rollback
+        self.window = config.sliding_window
+        self.ring = sliding_ring(config.sliding_window, max_len, max_rollback)
+        # The past a sliding layer reads: W - 1 keys (fewer if the whole sequence fits in less).
+        self.past_len = min(config.sliding_window - 1, self.ring)
+        self.layers: list[FullLayerCache | SlidingLayerCache | None] = []
         for spec in config.layers:
             if spec.kv_role == "reuse":
                 self.layers.append(None)
             elif spec.is_sliding:
-                # Never more slots than the sequence can have.
-                slots = min(spec.window, max_len)
                 self.layers.append(
-                    SlidingLayerCache(batch_size, spec.num_kv_heads, slots, spec.head_dim, dtype, device)
+                    SlidingLayerCache(num_slots, spec.num_kv_heads, self.ring, spec.head_dim, dtype, device)
                 )
             else:
                 self.layers.append(
-                    FullLayerCache(batch_size, spec.num_kv_heads, max_len, spec.head_dim, dtype, device)
+                    FullLayerCache(num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device)
                 )
-        self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
-        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.lengths = [0] * num_slots
+        # The longest each slot has been since it was freed: rollback may not go below
+        # high_water - max_rollback, or the ring would have lost keys the next call needs.
+        self._high_water = [0] * num_slots
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_slots
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +186,110 @@ class KVCache:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.layers if c is not None)
 
     def reset(self) -> None:
-        """Forget every sequence (the buffers are kept for reuse)."""
-        self.key_valid.zero_()
-        self.next_position.zero_()
-        self.length = 0
+        """Free every slot (the buffers are kept for reuse)."""
+        for slot in range(self.num_slots):
+            self.free(slot)
+
+    def free(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence; the next call on it starts a new one at position 0."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+        self._high_water[slot] = 0
+
+    def rollback(self, slot: int, count: int) -> None:
+        """Take back the last ``count`` tokens of slot ``slot`` (e.g. rejected draft tokens)."""
+        self._check_slot(slot)
+        length = self.lengths[slot]
+        if not 0 <= count <= length:
+            raise ValueError(f"slot {slot} holds {length} tokens; cannot take back {count}")
+        floor = self._high_water[slot] - self.max_rollback
+        if self.ring < self.max_len and length - count < floor:
+            raise ValueError(
+                f"slot {slot} can go back to {max(floor, 0)} tokens at most (it reached "
+                f"{self._high_water[slot]}; the cache was made with max_rollback={self.max_rollback}), "
+                f"not to {length - count}"
+            )
+        self.lengths[slot] = length - count
+
+    def advance(self, slots: Sequence[int], counts: Sequence[int] | int = 1) -> None:
+        """Record that ``counts`` tokens were appended to each of ``slots`` (``decode_step`` callers)."""
+        counts = [counts] * len(slots) if isinstance(counts, int) else counts
+        for slot, count in zip(slots, counts):
+            self.lengths[slot] += count
+            self._high_water[slot] = max(self._high_water[slot], self.lengths[slot])
+
+    # ── steps ────────────────────────────────────────────────────────────────────────────────
+
+    def step(self, slots: Sequence[int], length: int, valid: torch.Tensor | None = None) -> CacheStep:
+        """A call of ``length`` tokens per row, row ``b`` appending to slot ``slots[b]``.
+
+        ``valid`` (B, T) marks real tokens (None: all); padding is neither stored nor counted.
+        """
+        slots = [int(s) for s in slots]
+        for slot in slots:
+            self._check_slot(slot)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a call cannot append to one slot twice: slots {slots}")
+        counts = [length] * len(slots) if valid is None else valid.sum(-1).tolist()
+        starts = [self.lengths[s] for s in slots]
+        for slot, start, count in zip(slots, starts, counts):
+            if start + count > self.max_len:
+                raise ValueError(
+                    f"cache holds {self.max_len} tokens; {start} are used in slot {slot} and this call "
+                    f"adds {count}"
+                )
+        device = self.device
+        start = torch.tensor(starts, device=device)[:, None]
+        if valid is None:
+            positions = start + torch.arange(length, device=device)
+        else:
+            # Padding takes the position of the token before it (any stored column would do).
+            positions = (start + valid.long().cumsum(-1) - 1).clamp(min=0)
+        ends = [s + c for s, c in zip(starts, counts)]
+        first = slots[0]
+        contiguous = slots == list(range(first, first + len(slots)))
+        return CacheStep(
+            rows=torch.tensor(slots, device=device),
+            row_slice=slice(first, first + len(slots)) if contiguous else None,
+            positions=positions,
+            written=None if valid is None else valid.to(device=device, dtype=torch.bool),
+            ends=torch.tensor(ends, device=device)[:, None],
+            # Rows with no tokens at all read one (masked) column rather than none.
+            full_span=max(max(ends), 1),
+            past=start - self.past_len + torch.arange(self.past_len, device=device),
+            slots=slots,
+            counts=counts,
+            starts=starts,
+        )
+
+    def decode_step(self, positions: torch.Tensor, active: torch.Tensor) -> CacheStep:
+        """One token for every slot, from tensors alone (static shapes, no host sync).
+
+        ``positions`` (S,): each slot's length (where its token goes); ``active`` (S,) bool: slots
+        that really decode. Idle slots compute on whatever they are fed and change nothing. The
+        caller records the new lengths with ``advance``.
+        """
+        positions = positions[:, None]
+        return CacheStep(
+            rows=torch.arange(self.num_slots, device=positions.device),
+            row_slice=slice(0, self.num_slots),
+            positions=positions,
+            written=None,
+            ends=positions + 1,
+            full_span=self.max_len,
+            past=positions - self.past_len + torch.arange(self.past_len, device=positions.device),
+            active=active,
+        )
+
+    def commit(self, step: CacheStep) -> None:
+        """Record the tokens a ``step`` call stored."""
+        self.advance(step.slots, step.counts)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} does not exist: the cache has slots 0..{self.num_slots - 1}")
+
+
+def sliding_ring(window: int, max_len: int, max_rollback: int) -> int:
+    """Columns a sliding layer keeps: the W - 1 keys the next call reads, plus the rollback slack."""
+    return max(1, min(max_len, window - 1 + max_rollback))

@@ -115,10 +115,11 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         *,
+        attention: str = "sdpa",
         max_soft_tokens: int | None = None,
     ) -> None:
         folder = resolve_source(source)
-        self.model = load(folder, dtype=dtype, device=device)
+        self.model = load(folder, dtype=dtype, device=device, attention=attention)
         self.tokenizer = load_tokenizer(folder)
         self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)
         text = self.model.config.text

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from .config import ConfigError, ModelConfig
 from .model import Gemma
+from .model.text import ATTENTION_BACKENDS
 from .weights import CheckpointError, load_into, read_safetensors, safetensors_files
 
 # What a model download needs from a hub repository.
@@ -82,29 +83,35 @@ def load(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    attention: str = "sdpa",
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
     ``dtype`` defaults to the checkpoint's own (``config.json``'s ``dtype``, else the tensors'; float32
     for GGUF files, which are dequantized into it), ``device`` to the CPU. Tensors are read
     memory-mapped one at a time into the built model, so memory peaks at the model plus its largest
-    tensor. The model is returned in eval mode.
+    tensor. ``attention`` is the text decoder's backend: ``"sdpa"`` (fast, bounded memory) or
+    ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is returned in eval mode.
     """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     path = resolve_source(source)
     device = torch.device(device or "cpu")
     if path.suffix == ".gguf":
-        return _load_gguf(path, resolve_dtype(dtype) or torch.float32, device)
+        return _load_gguf(path, resolve_dtype(dtype) or torch.float32, device, attention)
     config = ModelConfig.from_file(path)
     with ExitStack() as stack:
         tensors = list(read_safetensors(safetensors_files(path), stack))
-        model = _empty_model(config, resolve_dtype(dtype) or _checkpoint_dtype(config, tensors), device)
+        model = _empty_model(
+            config, resolve_dtype(dtype) or _checkpoint_dtype(config, tensors), device, attention
+        )
         total = sum(_nbytes(shape, dt) for _, _, shape, dt in tensors)
         with _progress(total, path.name) as bar:
             load_into(model, config, iter(tensors), bar.update)
     return model.eval()
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Gemma:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: str) -> Gemma:
     from .gguf_checkpoint import read_gguf
 
     checkpoint = read_gguf(path)
@@ -112,7 +119,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Gemma:
         config = ModelConfig.from_hf(checkpoint.config)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, attention)
     names = checkpoint.tensor_names()
     itemsize = torch.empty((), dtype=dtype).element_size()
     tensors = [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
@@ -122,9 +129,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Gemma:
     return model.eval()
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Gemma:
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, attention: str) -> Gemma:
     with torch.device("meta"):
-        model = Gemma(config)
+        model = Gemma(config, attention)
     # Allocate once, directly in the target dtype and device; loading fills it in place.
     return model.to(dtype=dtype).to_empty(device=device)
 

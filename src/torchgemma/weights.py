@@ -37,8 +37,9 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = name[len("model.") :]
     if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
         return None  # Gemma 3: only the text model is built
-    if name == "lm_head.weight" and text.tie_word_embeddings:
-        return None  # tied to embed_tokens; some exports write the copy anyway
+    if name == "lm_head.weight":
+        # Tied to embed_tokens (some exports write the copy anyway); else the text model's own head.
+        return None if text.tie_word_embeddings else "language_model.lm_head.weight"
     parts = name.split(".")
     if len(parts) > 4 and parts[:2] == ["language_model", "layers"] and parts[3] == "self_attn":
         layer = int(parts[2]) if parts[2].isdigit() else -1

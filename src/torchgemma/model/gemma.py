@@ -8,7 +8,6 @@ Module names follow the checkpoint's tensor names with the ``model.`` prefix rem
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
@@ -27,13 +26,13 @@ class Gemma(nn.Module):
     Images, video frames and audio are passed as transformers' Gemma 4 processor returns them.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attention: str = "sdpa"):
         super().__init__()
         self.config = config
         text = config.text
-        self.language_model = TextModel(text)
-        if not text.tie_word_embeddings:
-            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.language_model = TextModel(text, attention)
+        # Set by torchgemma.compile: a compiled static-shape decode step the engine uses.
+        self.compiled_decode = None
         if config.vision_config is not None:
             vision = config.vision_config
             self.vision_tower = VisionTower(vision)
@@ -53,11 +52,36 @@ class Gemma(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.language_model.embed_tokens.weight.dtype
 
-    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty KV cache for ``batch_size`` sequences of up to ``max_len`` tokens (prompt included)."""
-        return KVCache(self.config.text, batch_size, max_len, dtype=self.dtype, device=self.device)
+    @property
+    def attention(self) -> str:
+        """The text decoder's attention backend: ``"sdpa"`` or ``"eager"``."""
+        return self.language_model.attention
+
+    def set_attention(self, backend: str) -> None:
+        self.language_model.set_attention(backend)
+
+    def make_cache(self, batch_size: int, max_len: int, *, max_rollback: int = 0) -> KVCache:
+        """An empty KV cache of ``batch_size`` slots, each for a sequence of up to ``max_len`` tokens
+        (prompt included), whose last ``max_rollback`` tokens can be taken back."""
+        return KVCache(
+            self.config.text,
+            batch_size,
+            max_len,
+            max_rollback=max_rollback,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     # ── soft tokens ──────────────────────────────────────────────────────────────────────────
+
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the text decoder embeds: in ``gemma4`` checkpoints a media placeholder reads as the
+        pad token (its soft token, if any, is scattered in afterwards), also when it is generated."""
+        if self.config.model_type != "gemma4":
+            return input_ids
+        masks = placeholder_masks(input_ids, self.config.token_ids)
+        placeholders = masks["image"] | masks["video"] | masks["audio"]
+        return input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
 
     def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
@@ -95,8 +119,7 @@ class Gemma(nn.Module):
         placeholder without media keeps the pad embedding, as in the reference.
         """
         masks = placeholder_masks(input_ids, self.config.token_ids)
-        placeholders = masks["image"] | masks["video"] | masks["audio"]
-        text_ids = input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
+        text_ids = self.text_ids(input_ids)
         embeds = self.language_model.embed(text_ids)
         if pixel_values is not None:
             soft = self.image_features(pixel_values, image_position_ids)
@@ -125,14 +148,15 @@ class Gemma(nn.Module):
         video_position_ids: torch.Tensor | None = None,
         num_frames_per_video: torch.Tensor | list[int] | None = None,
         cache: KVCache | None = None,
+        slots: list[int] | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for ``input_ids`` ``(B, T)``.
 
-        ``attention_mask`` ``(B, T)`` marks real tokens (1) and left padding (0) of this call's tokens;
-        with a cache, earlier tokens' padding is remembered by the cache. ``logits_to_keep=n > 0``
-        computes only the last ``n`` positions (and skips the rest through the KV-shared layers,
-        which write no cache).
+        ``attention_mask`` ``(B, T)`` marks real tokens (1) and left padding (0) of this call's tokens.
+        With a ``cache``, row ``b`` appends its real tokens to the sequence in slot ``slots[b]``
+        (default: slot ``b``); padding is not stored. ``logits_to_keep=n > 0`` computes only the last
+        ``n`` positions (and skips the rest through the KV-shared layers, which write no cache).
 
         Multimodal inputs, as transformers' Gemma 4 processor returns them: ``pixel_values``
         ``(n_images, N, 3p²)`` with ``image_position_ids`` ``(n_images, N, 2)``; ``input_features``
@@ -154,8 +178,9 @@ class Gemma(nn.Module):
             given = [name for name, value in media.items() if value is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} given, but a text-only checkpoint has no towers")
-            hidden = self.language_model(input_ids, attention_mask, cache, keep_last=logits_to_keep)
-            return self._logits(hidden)
+            return self.language_model(
+                input_ids, attention_mask, cache, keep_last=logits_to_keep, slots=slots
+            )
 
         if (input_features is None) != (input_features_mask is None):
             raise ValueError(
@@ -185,24 +210,12 @@ class Gemma(nn.Module):
                     f"input_ids {tuple(input_ids.shape)}"
                 )
             blocks = vision_block_ids(mm_token_type_ids.to(input_ids.device))
-        hidden = self.language_model(
+        return self.language_model(
             text_ids,
             attention_mask,
             cache,
             keep_last=logits_to_keep,
+            slots=slots,
             inputs_embeds=embeds,
             vision_blocks=blocks,
         )
-        return self._logits(hidden)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (
-            self.language_model.embed_tokens.weight
-            if self.config.text.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        logits = F.linear(hidden, weight)
-        cap = self.config.text.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits

@@ -1,4 +1,4 @@
-"""Parts shared by the towers: RMSNorm, rotary embeddings, the gated MLP.
+"""Parts shared by the towers: RMSNorm, rotary embeddings, the gated MLP, eager attention.
 
 Each operation follows the reference's order of floating-point operations: the same formula computed
 in another order differs in the last bit, and bf16 parity is bit-for-bit.
@@ -54,6 +54,34 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Softmax attention with an additive mask, in the reference's order of operations.
+
+    query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S) or None. Returns (B, T, H, D).
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        # Each key/value head serves `groups` consecutive query heads.
+        b, hkv, s, d = key.shape
+        key = key[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
+        value = value[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
+    scores = torch.matmul(query, key.transpose(2, 3))  # (B, H, T, S)
+    if scale != 1.0:  # multiplying by 1.0 is exact: skip it
+        scores = scores * scale
+    if mask is not None:
+        scores = scores + mask
+    # Softmax in float32, then back to the model dtype before the product with V, as the reference
+    # (float64 stays float64: its mask minimum would overflow float32 to -inf).
+    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def rope_cos_sin(

@@ -12,17 +12,24 @@
 Per-layer differences (sliding/full geometry, KV role, MLP width, MoE) come from ``LayerSpec``.
 Every numerics choice mirrors transformers 5.23 (``models/gemma4/modeling_gemma4.py``) so that bf16
 logits agree to the bit with its eager attention and eager experts.
+
+A forward call first lays out what its queries see (``TextModel.layout``: positions, RoPE tables,
+one mask per attention type, where the cache puts the tokens), then runs the stack on that layout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache, LayerCache
+from ..cache import CacheStep, FullLayerCache, KVCache, SlidingLayerCache
 from ..config import LayerSpec, RopeSpec, TextConfig
-from .layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin
+from .layers import GatedMLP, RMSNorm, apply_rope, eager_attention, gelu_tanh, rope_cos_sin
+
+ATTENTION_BACKENDS = ("eager", "sdpa")
 
 
 def text_norm(config: TextConfig, dim: int) -> RMSNorm:
@@ -30,49 +37,119 @@ def text_norm(config: TextConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, plus_one=config.norm_plus_one)
 
 
-def scale_in_dtype(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype``: the reference keeps embedding scales as tensors of the weight dtype."""
-    return float(torch.tensor(value).to(dtype))
+def rounded_scales(value: float) -> dict[torch.dtype, float]:
+    """``value`` rounded to each float dtype: the reference keeps embedding scales as tensors of the
+    weight dtype. Computed once, so a forward pass reads a constant (no tensor-to-float sync)."""
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    # On the CPU explicitly: models are built under a meta-device context.
+    return {dtype: float(torch.tensor(value, device="cpu").to(dtype)) for dtype in dtypes}
 
 
 # ── attention ───────────────────────────────────────────────────────────────────────────────────
 
 
-def eager_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """Softmax attention with an additive mask.
+@dataclass
+class AttentionInputs:
+    """What the layers of one attention type attend with, besides their keys and values.
 
-    Gemma 4 uses scale 1 (the QK norms replace 1/√D); Gemma 3 scales by query_pre_attn_scalar^-1/2.
-    query (B, H, T, D); key/value (B, Hkv, S, D); mask (B, 1, T, S) or None. Returns (B, T, H, D).
+    ``mask`` (B, 1, T, S): additive (eager) or True-to-attend (sdpa); None means ``causal`` over
+    T == S keys, or every key. ``key_slice``: the keys all rows read, when it is the same slice for
+    every row. ``rows``: each row's own keys ``(start, end, causal_alone)`` when they differ; both
+    backends then attend row by row to exactly those, as the row would alone, so a sequence gets
+    the same bits whatever its neighbours in the batch (``causal_alone``: sdpa would skip the mask).
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        # Each key/value head serves `groups` consecutive query heads.
-        b, hkv, s, d = key.shape
-        key = key[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
-        value = value[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
-    scores = torch.matmul(query, key.transpose(2, 3))  # (B, H, T, S)
-    if scale != 1.0:  # multiplying by 1.0 is exact: skip it
-        scores = scores * scale
-    if mask is not None:
-        scores = scores + mask
-    # Softmax in float32, then back to the model dtype before the product with V, as the reference.
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+    cos: torch.Tensor  # (B, T, D)
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool = False
+    key_slice: slice | None = None
+    rows: list[tuple[int, int, bool]] | None = None
+
+    def last(self, n: int) -> AttentionInputs:
+        """The same for the last ``n`` queries only."""
+        return replace(
+            self,
+            cos=self.cos[:, -n:],
+            sin=self.sin[:, -n:],
+            mask=None if self.mask is None else self.mask[:, :, -n:],
+            # One query of a causal block sees every key (callers keep n == 1 without a mask).
+            causal=False,
+        )
+
+
+def eager_backend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
+) -> torch.Tensor:
+    """Transformers' eager attention: repeated KV heads, float32 softmax. Returns (B, T, H, D)."""
+    if inputs.key_slice is not None:
+        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+    if inputs.rows is None:
+        return eager_attention(query, key, value, inputs.mask, scale)
+    mask = inputs.mask
+    return torch.cat(
+        [
+            eager_attention(
+                query[b : b + 1],
+                key[b : b + 1, :, s:e],
+                value[b : b + 1, :, s:e],
+                mask[b : b + 1, ..., s:e],
+                scale,
+            )
+            for b, (s, e, _) in enumerate(inputs.rows)
+        ]
+    )
+
+
+def sdpa_backend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
+) -> torch.Tensor:
+    """``scaled_dot_product_attention``: KV heads shared in place (``enable_gqa``), memory bounded by
+    the kernel's blocking rather than T x S scores. Returns (B, T, H, D)."""
+    if inputs.key_slice is not None:
+        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+    if inputs.rows is not None:
+        return torch.cat(
+            [
+                _sdpa(
+                    query[b : b + 1],
+                    key[b : b + 1, :, s:e],
+                    value[b : b + 1, :, s:e],
+                    None if alone else inputs.mask[b : b + 1, ..., s:e],
+                    alone,
+                    scale,
+                )
+                for b, (s, e, alone) in enumerate(inputs.rows)
+            ]
+        )
+    return _sdpa(query, key, value, inputs.mask, inputs.causal, scale)
+
+
+def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=mask is None and causal and query.shape[2] > 1,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2)
+
+
+ATTENTION = {"eager": eager_backend, "sdpa": sdpa_backend}
 
 
 class Attention(nn.Module):
-    def __init__(self, config: TextConfig, spec: LayerSpec):
+    def __init__(self, config: TextConfig, spec: LayerSpec, backend: str):
         super().__init__()
         self.spec = spec
+        self.backend = backend
         hidden, heads, dim = config.hidden_size, config.num_attention_heads, spec.head_dim
         self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
         self.q_norm = text_norm(config, dim)
+        # Gemma 4 uses scale 1 (the QK norms replace 1/√D); Gemma 3 scales by query_pre_attn_scalar^-½.
         self.scale = config.attention_scale
         if spec.has_kv_weights:  # KV-shared layers own no k/v weights
             self.k_proj = nn.Linear(hidden, spec.num_kv_heads * dim, bias=False)
@@ -85,17 +162,15 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
+        inputs: AttentionInputs,
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
-        cache: LayerCache | None,
-        start: int,
+        cache: FullLayerCache | SlidingLayerCache | None,
+        step: CacheStep | None,
     ) -> torch.Tensor:
         spec = self.spec
         batch, length, _ = x.shape
         query = self.q_norm(self.q_proj(x).view(batch, length, -1, spec.head_dim))
-        query = apply_rope(query, cos, sin).transpose(1, 2)  # (B, H, T, D)
+        query = apply_rope(query, inputs.cos, inputs.sin).transpose(1, 2)  # (B, H, T, D)
 
         if spec.kv_role == "reuse":
             # Exactly the keys/values (and so the mask) the source layer attended to in this pass.
@@ -104,16 +179,16 @@ class Attention(nn.Module):
             key = self.k_proj(x).view(batch, length, -1, spec.head_dim)
             # K=V: values are the raw key projection, before k_norm and RoPE.
             value = key if self.v_proj is None else self.v_proj(x).view(batch, length, -1, spec.head_dim)
-            key = apply_rope(self.k_norm(key), cos, sin).transpose(1, 2)  # (B, Hkv, T, D)
+            key = apply_rope(self.k_norm(key), inputs.cos, inputs.sin).transpose(1, 2)  # (B, Hkv, T, D)
             if self.v_norm is not None:
                 value = self.v_norm(value)
             value = value.transpose(1, 2)
             if cache is not None:
-                key, value = cache.update(key, value, start)
+                key, value = cache.update(key, value, step)
             if spec.kv_role == "store":
                 shared_kv[spec.index] = (key, value)
 
-        out = eager_attention(query, key, value, mask, self.scale)  # (B, T, H, D)
+        out = ATTENTION[self.backend](query, key, value, inputs, self.scale)  # (B, T, H, D)
         return self.o_proj(out.reshape(batch, length, -1))
 
 
@@ -142,7 +217,13 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All experts' GeGLU weights as stacked tensors: gate_up_proj (E, 2I, H), gate rows first."""
+    """All experts' GeGLU weights as stacked tensors: gate_up_proj (E, 2I, H), gate rows first.
+
+    Two ways to the same sums: ``grouped`` (the reference's eager experts, tokens gathered per expert;
+    data-dependent shapes) and ``gathered`` (each token's K experts' weights gathered; static shapes,
+    what a compiled decode step traces). Both add each token's expert outputs in ascending expert id,
+    rounded to the model dtype one by one, so they agree to the bit in bf16.
+    """
 
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -151,11 +232,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x (N, H), weights/experts (N, K) -> (N, H).
+        """x (N, H), weights/experts (N, K) -> (N, H)."""
+        if torch.compiler.is_compiling():
+            return self.gathered(x, weights, experts)
+        return self.grouped(x, weights, experts)
 
-        Matches the reference's eager experts: expert by expert in ascending id, each expert's
-        weighted output rounded to the model dtype and accumulated with index_add_.
-        """
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Expert by expert in ascending id, each expert's weighted output rounded to the model dtype
+        and accumulated with index_add_, as the reference's eager experts."""
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             # Rows in (slot, token) order: the order the reference gathers them in.
@@ -166,17 +250,31 @@ class Experts(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Slot by slot over each token's experts sorted by id: (N, K) weight gathers, no host sync.
+        Reads K expert matrices per token: meant for decode-sized N."""
+        experts, order = experts.sort(dim=-1)
+        weights = weights.gather(-1, order)
+        out = torch.zeros_like(x)
+        for slot in range(experts.shape[1]):
+            chosen = experts[:, slot]
+            gate_up = torch.bmm(x[:, None], self.gate_up_proj[chosen].transpose(1, 2))[:, 0]  # (N, 2I)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = torch.bmm((gelu_tanh(gate) * up)[:, None], self.down_proj[chosen].transpose(1, 2))[:, 0]
+            out = out + (y * weights[:, slot, None]).to(out.dtype)
+        return out
+
 
 # ── decoder layer ─────────────────────────────────────────────────────────────────────────────
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, spec: LayerSpec):
+    def __init__(self, config: TextConfig, spec: LayerSpec, attention: str):
         super().__init__()
         self.spec = spec
         hidden = config.hidden_size
         self.input_layernorm = text_norm(config, hidden)
-        self.self_attn = Attention(config, spec)
+        self.self_attn = Attention(config, spec, attention)
         self.post_attention_layernorm = text_norm(config, hidden)
         self.pre_feedforward_layernorm = text_norm(config, hidden)
         self.mlp = GatedMLP(hidden, spec.intermediate_size)
@@ -201,14 +299,12 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         per_layer_input: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
+        inputs: AttentionInputs,
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
-        cache: LayerCache | None,
-        start: int,
+        cache: FullLayerCache | SlidingLayerCache | None,
+        step: CacheStep | None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, shared_kv, cache, start)
+        attn = self.self_attn(self.input_layernorm(x), inputs, shared_kv, cache, step)
         x = x + self.post_attention_layernorm(attn)
 
         residual = x
@@ -230,7 +326,7 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
-# ── the stack ─────────────────────────────────────────────────────────────────────────────────
+# ── masks and rotary tables ──────────────────────────────────────────────────────────────────
 
 
 class RotaryTables(nn.Module):
@@ -259,71 +355,109 @@ class RotaryTables(nn.Module):
         return {t: rope_cos_sin(getattr(self, t), positions, dtype) for t in self.specs}
 
 
-def build_mask(
-    query_slots: torch.Tensor,
-    key_slots: torch.Tensor,
+def allowed_keys(
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
     key_valid: torch.Tensor,
     window: int | None,
-    dtype,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     bidirectional: bool = False,
 ) -> torch.Tensor:
-    """Additive mask (B, 1, T, S): 0 where a query may attend, the dtype's minimum elsewhere.
+    """(B, 1, T, S) True where a query may attend to a key.
 
-    Slots are absolute indices in the (padded) sequence. A query sees keys at or before it, within
-    ``window`` keys including itself on sliding layers, and never padding keys. ``blocks`` =
-    (query block ids (B, T), key block ids (B, S)): a query also sees later keys of its own block
-    (id >= 0), still within the window's reach into the past. ``bidirectional`` (encoder models):
-    every key on full layers, keys with |q - k| < window on sliding layers.
+    Indices (B or 1, T) / (B or 1, S) are the positions in the sequence the mask is causal in (with
+    left padding and no cache, the padded columns, as in the reference). A query sees keys at or
+    before it, within ``window`` keys including itself on sliding layers, and never invalid keys.
+    ``blocks`` = (query block ids (B, T), key block ids (B, S)): a query also sees later keys of
+    its own block (id >= 0), still within the window's reach into the past. ``bidirectional``
+    (encoder models): every key on full layers, keys with |q - k| < window on sliding layers.
     """
-    q, k = query_slots[:, None], key_slots[None, :]
+    q, k = query_index[:, :, None], key_index[:, None, :]
     if bidirectional:
-        allowed = (torch.ones_like(k <= q) if window is None else (q - k).abs() < window)[None]
+        allowed = torch.ones_like(k <= q) if window is None else (q - k).abs() < window
     else:
-        allowed = (k <= q)[None]  # (1, T, S)
+        allowed = k <= q  # (B, T, S)
         if blocks is not None:
             query_block, key_block = blocks
             same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
-            allowed = allowed | same_block  # (B, T, S)
+            allowed = allowed | same_block
         if window is not None:
             allowed = allowed & (k > q - window)
-    allowed = allowed & key_valid[:, None, :]  # (B, T, S)
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+    return (allowed & key_valid[:, None, :])[:, None]
+
+
+# ── the stack ─────────────────────────────────────────────────────────────────────────────────
 
 
 class TextModel(nn.Module):
-    """Embeddings, decoder layers and final norm; checkpoint prefix ``model.language_model.``."""
+    """Embeddings, decoder layers, final norm and LM head; checkpoint prefix ``model.language_model.``.
 
-    def __init__(self, config: TextConfig):
+    ``attention`` picks the attention backend of every layer: ``"sdpa"`` (the default, fast,
+    bounded memory) or ``"eager"`` (the reference's own arithmetic; the parity tests use it).
+    """
+
+    def __init__(self, config: TextConfig, attention: str = "sdpa"):
         super().__init__()
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = rounded_scales(config.hidden_size**0.5)
         if config.has_per_layer_inputs:
             n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
             # One packed table: row = [layer 0's P values | layer 1's | ...].
             self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, n * p)
+            self.per_layer_embed_scale = rounded_scales(p**0.5)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, attention) for spec in config.layers)
         self.norm = text_norm(config, config.hidden_size)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTables(config.rope)
+
+    @property
+    def attention(self) -> str:
+        return self.layers[0].self_attn.backend
+
+    def set_attention(self, backend: str) -> None:
+        """Switch every layer to another attention backend (``"eager"`` or ``"sdpa"``)."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    # ── embeddings and head ──────────────────────────────────────────────────────────────────
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight
-        return self.embed_tokens(input_ids) * scale_in_dtype(self.config.hidden_size**0.5, weight.dtype)
+        return self.embed_tokens(input_ids) * self.embed_scale[weight.dtype]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """(B, T, L, P): the token's own per-layer vector plus a projection of its context embedding."""
         cfg = self.config
         shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         table = self.embed_tokens_per_layer
-        token_part = table(input_ids) * scale_in_dtype(
-            cfg.hidden_size_per_layer_input**0.5, table.weight.dtype
-        )
+        token_part = table(input_ids) * self.per_layer_embed_scale[table.weight.dtype]
         context = self.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + token_part.reshape(shape)) * 2.0**-0.5
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head (tied to the embeddings unless the checkpoint has its own), soft-cap."""
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ── forward ──────────────────────────────────────────────────────────────────────────────
 
     def forward(
         self,
@@ -332,103 +466,200 @@ class TextModel(nn.Module):
         cache: KVCache | None = None,
         keep_last: int = 0,
         *,
+        slots: list[int] | None = None,
         inputs_embeds: torch.Tensor | None = None,
         vision_blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> final hidden states (B, T', H), T' = keep_last or T.
+        """input_ids (B, T) -> logits (B, T', vocab), T' = keep_last or T.
 
-        ``inputs_embeds`` (B, T, H) replaces ``embed(input_ids)`` (the multimodal model passes the
-        embeddings with soft tokens scattered in); ``input_ids`` then only pick the per-layer
-        embedding rows. ``vision_blocks`` (B, T): image-block ids (-1 = none) of this call's tokens;
-        sliding layers let the tokens of one block attend to each other in both directions.
+        With a ``cache``, row ``b`` appends its real tokens to slot ``slots[b]`` (default: slot
+        ``b``). ``inputs_embeds`` (B, T, H) replaces ``embed(input_ids)`` (the multimodal model
+        passes the embeddings with soft tokens scattered in); ``input_ids`` then only pick the
+        per-layer embedding rows. ``vision_blocks`` (B, T): image-block ids (-1 = none) of this
+        call's tokens; sliding layers let the tokens of one block attend to each other both ways.
         """
-        cfg = self.config
         batch, length = input_ids.shape
-        device = input_ids.device
-        valid = (
-            torch.ones(batch, length, dtype=torch.bool, device=device)
-            if attention_mask is None
-            else attention_mask.to(device=device, dtype=torch.bool)
-        )
-        if valid.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(valid.shape)}, input_ids {tuple(input_ids.shape)}"
-            )
-
-        # Positions count real tokens only (left padding gets position 0), as generate() does.
-        first_position = 0 if cache is None else cache.next_position[:, None]
-        positions = (first_position + valid.long().cumsum(-1) - 1).masked_fill(~valid, 0)
-
-        start = 0 if cache is None else cache.length
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
+                )
+            valid = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+        step = None
         if cache is not None:
-            if cfg.bidirectional:
+            if self.config.bidirectional:
                 raise ValueError(
                     "a bidirectional (encoder) model attends to later tokens: it cannot use a KV cache"
                 )
-            if cache.batch_size != batch:
-                raise ValueError(
-                    f"cache was made for batch size {cache.batch_size}, got input of batch {batch}"
-                )
-            if start + length > cache.max_len:
-                raise ValueError(
-                    f"cache holds {cache.max_len} tokens; {start} are used and this call adds {length}"
-                )
-            cache.key_valid[:, start : start + length] = valid
-            key_valid = cache.key_valid
-        else:
-            key_valid = valid
+            if slots is None:
+                if batch > cache.num_slots:
+                    raise ValueError(
+                        f"cache was made for batch size {cache.num_slots}, got input of batch {batch}"
+                    )
+                slots = list(range(batch))
+            elif len(slots) != batch:
+                raise ValueError(f"{len(slots)} slots given for {batch} rows")
+            step = cache.step(slots, length, valid)
+        layout = self.layout(input_ids, valid, cache, step, vision_blocks)
+        logits = self.run(input_ids, layout, cache, step, keep_last, inputs_embeds)
+        if cache is not None:
+            cache.commit(step)
+        return logits
 
+    def decode(
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, active: torch.Tensor
+    ) -> torch.Tensor:
+        """One token for every slot of ``cache`` with static shapes: (S, 1) -> logits (S, 1, vocab).
+
+        ``positions`` (S,) are the slots' lengths, ``active`` (S,) the slots that really decode;
+        the caller records the new lengths (``cache.advance``). No host sync, no data-dependent shape.
+        """
+        step = cache.decode_step(positions, active)
+        layout = self.layout(input_ids, None, cache, step, None)
+        return self.run(input_ids, layout, cache, step)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        layout: dict[str, AttentionInputs],
+        cache: KVCache | None,
+        step: CacheStep | None,
+        keep_last: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The stack on a laid-out call: embeddings, layers, head."""
+        cfg = self.config
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.has_per_layer_inputs else None
-
-        dtype = x.dtype
-        query_slots = torch.arange(start, start + length, device=device)
-        rope = self.rotary(positions, dtype)
-        if vision_blocks is not None:
-            # Keys from earlier calls belong to no block: blocks are this call's tokens.
-            block_of_slot = torch.full((batch, start + length), -1, dtype=torch.long, device=device)
-            block_of_slot[:, start:] = vision_blocks.to(device)
-        masks = {}
-        for layer_type, first in ((t, cfg.layer_types.index(t)) for t in cfg.rope):
-            spec = cfg.layers[first]
-            if cache is None:
-                key_slots = query_slots
-            else:
-                key_slots = cache.layers[first].key_slots(start, length, device)
-            # Image blocks are bidirectional on sliding layers only; full layers stay causal.
-            blocks = None
-            if vision_blocks is not None and spec.is_sliding:
-                blocks = (block_of_slot[:, start:], block_of_slot[:, key_slots])
-            masks[layer_type] = build_mask(
-                query_slots, key_slots, key_valid[:, key_slots], spec.window, dtype, blocks, cfg.bidirectional
-            )
-
+        # KV-shared layers write no cache: only the kept positions need to go through them. Without
+        # a mask the kept queries must be one (a causal block's last query sees every key).
+        trim = 0 < keep_last < x.shape[1] and (
+            keep_last == 1 or all(inputs.mask is not None for inputs in layout.values())
+        )
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for spec, layer in zip(cfg.layers, self.layers):
-            if spec.index == cfg.first_kv_shared_layer and 0 < keep_last < x.shape[1]:
-                # KV-shared layers write no cache: only the kept positions need to go through them.
-                x, per_layer_inputs = x[:, -keep_last:], _last(per_layer_inputs, keep_last)
-                rope = {t: (c[:, -keep_last:], s[:, -keep_last:]) for t, (c, s) in rope.items()}
-                masks = {t: m[:, :, -keep_last:] for t, m in masks.items()}
-            cos, sin = rope[spec.attention_type]
-            layer_cache = None if cache is None else cache.layers[spec.index]
+            if trim and spec.index == cfg.first_kv_shared_layer:
+                x = x[:, -keep_last:]
+                per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -keep_last:]
+                layout = {t: inputs.last(keep_last) for t, inputs in layout.items()}
             x = layer(
                 x,
                 None if per_layer_inputs is None else per_layer_inputs[:, :, spec.index],
-                cos,
-                sin,
-                masks[spec.attention_type],
+                layout[spec.attention_type],
                 shared_kv,
-                layer_cache,
-                start,
+                None if cache is None else cache.layers[spec.index],
+                step,
             )
+        return self.head(x if keep_last <= 0 else x[:, -keep_last:])
 
-        if cache is not None:
-            cache.length = start + length
-            cache.next_position += valid.sum(-1)
-        x = x if keep_last <= 0 else x[:, -keep_last:]
-        return self.norm(x)
+    # ── layout: positions, RoPE, masks ───────────────────────────────────────────────────────
+
+    def layout(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor | None,
+        cache: KVCache | None,
+        step: CacheStep | None,
+        vision_blocks: torch.Tensor | None,
+    ) -> dict[str, AttentionInputs]:
+        """What the queries of each attention type see: RoPE tables, mask, key ranges."""
+        cfg = self.config
+        batch, length = input_ids.shape
+        device = input_ids.device
+        dtype = self.embed_tokens.weight.dtype
+        if step is None:
+            # Positions count real tokens only (left padding gets position 0), as generate() does.
+            positions = torch.arange(length, device=device)[None].expand(batch, length)
+            if valid is not None:
+                positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 0)
+        else:
+            positions = step.positions
+        rope = self.rotary(positions, dtype)
+        if vision_blocks is not None:
+            vision_blocks = vision_blocks.to(device)
+        sdpa = self.attention == "sdpa"
+        layout = {}
+        for layer_type in cfg.rope:
+            spec = cfg.layers[cfg.layer_types.index(layer_type)]
+            if step is None:
+                keys = _uncached_keys(length, valid, spec.window, vision_blocks, cfg.bidirectional, device)
+            else:
+                keys = _cached_keys(cache, step, spec.window, vision_blocks, device)
+            allowed, key_slice, rows, trivial = keys
+            if key_slice is not None:
+                allowed = allowed[..., key_slice]
+            cos, sin = rope[layer_type]
+            if sdpa and trivial:
+                # As transformers' sdpa path: no mask when causality alone says it all.
+                inputs = AttentionInputs(cos, sin, None, causal=True, key_slice=key_slice)
+            elif sdpa:
+                inputs = AttentionInputs(cos, sin, allowed, key_slice=key_slice, rows=rows)
+            else:
+                zero = torch.zeros((), dtype=dtype, device=device)
+                additive = torch.where(allowed, zero, torch.finfo(dtype).min)
+                inputs = AttentionInputs(cos, sin, additive, key_slice=key_slice, rows=rows)
+            layout[layer_type] = inputs
+        return layout
 
 
-def _last(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    return None if t is None else t[:, -n:]
+def _uncached_keys(length, valid, window, vision_blocks, bidirectional, device):
+    """Keys of a call without cache: its own tokens, causal in columns (padding included)."""
+    index = torch.arange(length, device=device)[None]
+    key_valid = torch.ones_like(index, dtype=torch.bool) if valid is None else valid
+    blocks = None if vision_blocks is None or window is None else (vision_blocks, vision_blocks)
+    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional)
+    # transformers skips the sdpa mask only without padding, blocks or bidirectionality, and on
+    # sliding layers only while the keys fit in the window.
+    trivial = (
+        vision_blocks is None
+        and not bidirectional
+        and (window is None or length < window)
+        and (valid is None or bool(valid.all()))
+    )
+    return allowed, None, None, trivial
+
+
+def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device):
+    """Keys of a cached call: the rows' stored keys (full layers) or the window's past plus this
+    call's own keys (sliding layers), with each row's range when the call knows its lengths."""
+    batch, length = step.positions.shape
+    this_call = torch.ones_like(step.positions, dtype=torch.bool) if step.written is None else step.written
+    if window is None:
+        key_index = torch.arange(step.full_span, device=device)[None]
+        key_valid = key_index < step.ends
+        blocks = None
+        ranges = (
+            None if step.starts is None else [(0, max(s + c, 1)) for s, c in zip(step.starts, step.counts)]
+        )
+    else:
+        key_index = torch.cat((step.past, step.positions), dim=1)
+        key_valid = torch.cat((step.past >= 0, this_call), dim=1)
+        blocks = None
+        if vision_blocks is not None:
+            # Keys from earlier calls belong to no block: blocks are this call's tokens.
+            earlier = torch.full_like(step.past, -1)
+            blocks = (vision_blocks, torch.cat((earlier, vision_blocks), dim=1))
+        past = cache.past_len
+        ranges = None if step.starts is None else [(past - min(s, past), past + length) for s in step.starts]
+    allowed = allowed_keys(step.positions, key_index, key_valid, window, blocks)
+
+    key_slice, rows, trivial = None, None, False
+    if ranges is not None:
+        # Would the row alone skip the sdpa mask? Only if all its keys are real and causality (or
+        # "every key", for one query) says it all, as transformers decides.
+        alone = [
+            step.written is None
+            and vision_blocks is None
+            and (length == 1 or length == end - start)
+            and (window is None or end - start < window)
+            for start, end in ranges
+        ]
+        if len(set(ranges)) == 1:
+            start, end = ranges[0]
+            if (start, end) != (0, key_index.shape[1]):
+                key_slice = slice(start, end)
+            trivial = alone[0]
+        else:
+            rows = [(start, end, a) for (start, end), a in zip(ranges, alone)]
+    return allowed, key_slice, rows, trivial

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VisionConfig
-from .layers import RMSNorm, apply_rope, gelu_tanh
+from .layers import RMSNorm, apply_rope, eager_attention, gelu_tanh
 from .multimodal import ClippableLinear
-from .text import eager_attention
 
 # ── patch embedding ──────────────────────────────────────────────────────────────────────────
 
