@@ -6,7 +6,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from checkpoints import STYLES, build_multimodal_checkpoint, build_text_checkpoint  # noqa: E402
+from checkpoints import (  # noqa: E402
+    STYLES,
+    build_multimodal_checkpoint,
+    build_text_checkpoint,
+    randomize_,
+    text_config,
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +36,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def gen_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One checkpoint per style, randomised like tests/checkpoints.py but with small embeddings.
+
+    With large tied embeddings every token predicts itself, so greedy decoding just repeats the last
+    prompt token; at 0.05x the continuations vary, which is what makes token parity meaningful.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    root = tmp_path_factory.mktemp("gen")
+    folders = {}
+    for i, style in enumerate(STYLES):
+        torch.manual_seed(i)
+        model = Gemma4ForCausalLM(text_config(style))
+        randomize_(model, seed=3 + i)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.05)
+        model.save_pretrained(root / style)
+        folders[style] = root / style
+    return folders

@@ -105,7 +105,7 @@ def processor(checkpoints):
 
 @functools.cache
 def load_llm(folder: Path, dtype: torch.dtype = torch.float32) -> LLM:
-    return LLM(folder, dtype=dtype)
+    return LLM(folder, dtype=dtype, attention="eager")
 
 
 RNG = np.random.default_rng(5)
@@ -192,20 +192,27 @@ def test_media_change_the_reply(checkpoints):
 
 
 def test_media_go_to_the_prefill_only(checkpoints, monkeypatch):
+    """The towers run once, for the prompt; decode steps feed the text decoder one token each."""
     llm = load_llm(checkpoints["e2b"])
-    calls = []
-    forward = llm.model.forward
+    model = llm.model
+    towers, calls = [], []
+    embed, forward = model.embed_multimodal, model.language_model.forward
 
-    def spy(input_ids, *args, **kwargs):
-        names = ("pixel_values", "input_features", "mm_token_type_ids")
-        calls.append((input_ids.shape[1], {n for n in names if kwargs.get(n) is not None}))
+    def spy_embed(input_ids, **media):
+        towers.append({name for name, value in media.items() if value is not None})
+        return embed(input_ids, **media)
+
+    def spy_forward(input_ids, *args, **kwargs):
+        calls.append((input_ids.shape[1], kwargs.get("inputs_embeds") is not None))
         return forward(input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(llm.model, "forward", spy)
+    monkeypatch.setattr(model, "embed_multimodal", spy_embed)
+    monkeypatch.setattr(model.language_model, "forward", spy_forward)
     items = [{"type": "image", "image": IMAGES[0]}, {"type": "audio", "audio": CLIPS[0]}]
     llm.chat(user(*items), temperature=0, max_new_tokens=4, stop_token_ids=[])
-    assert calls[0][1] == {"pixel_values", "input_features", "mm_token_type_ids"}
-    assert [c for _, c in calls[1:]] == [set()] * 3 and all(n == 1 for n, _ in calls[1:])
+    assert towers == [{"pixel_values", "image_position_ids", "input_features", "input_features_mask"}]
+    assert calls[0][0] > 1 and calls[0][1]  # the prompt, with the soft tokens scattered in
+    assert calls[1:] == [(1, False)] * 3
 
 
 def test_raw_prompt_with_placeholders_and_batches(checkpoints):

@@ -1,8 +1,9 @@
 """torchgemma: Gemma 4 in PyTorch, exact against Hugging Face transformers."""
 
+from .acceleration import compile
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
-from .generation import generate, stream
+from .generation import Engine, generate, stream
 from .llm import LLM
 from .loading import load
 from .model import Gemma
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "Engine",
     "Gemma",
     "KVCache",
     "LLM",
@@ -22,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "TextConfig",
     "Tokenizer",
+    "compile",
     "generate",
     "load",
     "load_tokenizer",

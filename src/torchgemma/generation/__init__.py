@@ -1,7 +1,8 @@
-"""Generation: sampling as pure functions; prefill, decode step, streaming iterator and ``generate``."""
+"""Generation: sampling as pure functions; the engine; prefill, decode step, streaming iterator, ``generate``."""
 
 from .config import GenerationConfig
-from .generate import MEDIA_INPUTS, GenerationStats, decode_step, generate, prefill, stream
+from .engine import MEDIA_INPUTS, Engine
+from .generate import GenerationStats, decode_step, generate, prefill, stream
 from .sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -15,6 +16,7 @@ from .sampling import (
 
 __all__ = [
     "MEDIA_INPUTS",
+    "Engine",
     "GenerationConfig",
     "GenerationStats",
     "SamplingParams",

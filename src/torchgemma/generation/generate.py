@@ -2,15 +2,15 @@
 
     prefill(model, prompt)     -> next-token logits      (one forward over the prompt, with its media)
     decode_step(model, tokens) -> next-token logits      (one forward over one token per row)
-    stream(model, prompt, ...) -> yields (B,) tokens     (the loop: pick, stop, step)
+    stream(model, prompt, ...) -> yields (B,) tokens     (an Engine with one request per row)
     generate(model, prompt, ...) -> (B, L + N) ids       (stream, collected)
 
-It follows transformers' ``generate`` step for step, so that greedy decoding gives the same tokens:
-prefill keeps only the last position's logits (``logits_to_keep=1``), logits are cast to float32
-before sampling, rows that have stopped keep being fed the pad token (and are reported as pad), and
-the loop ends when every row has stopped or ``max_new_tokens`` were produced. Images and audio
-(and ``mm_token_type_ids``) go to the prefill only, as transformers' ``prepare_inputs_for_generation``
-drops them after the first step: their soft tokens are in the cache from then on.
+Every row is its own sequence (``Engine``): left padding is dropped, and a row gets what it would get
+alone. Greedy decoding gives transformers' ``generate`` tokens: the prefill keeps only the last
+position's logits (``logits_to_keep=1``), logits are cast to float32 before sampling, rows that have
+stopped are reported as pad, and the loop ends when every row has stopped or ``max_new_tokens``
+were produced. Images and audio (and ``mm_token_type_ids``) go to the prefill only, as transformers'
+``prepare_inputs_for_generation`` drops them after the first step.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 
 from ..cache import KVCache
 from ..model import Gemma
+from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
-from .sampling import SamplingParams, next_token
+from .engine import DEFAULT_PREFILL_CHUNK, Engine
 
 
 @dataclass
@@ -51,16 +52,6 @@ class GenerationStats:
         """New tokens of all rows per second, over the steps after the first."""
         decoded = self.batch * (self.steps - 1)
         return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else float("nan")
-
-
-# The model's multimodal inputs, as transformers' Gemma 4 processor names them.
-MEDIA_INPUTS = (
-    "pixel_values",
-    "image_position_ids",
-    "input_features",
-    "input_features_mask",
-    "mm_token_type_ids",
-)
 
 
 @torch.inference_mode()
@@ -94,7 +85,7 @@ def resolve_generation_config(
 
 def stream(
     model: Gemma,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | Sequence[Sequence[int]],
     *,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int,
@@ -108,6 +99,7 @@ def stream(
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     pixel_values: torch.Tensor | None = None,
     image_position_ids: torch.Tensor | None = None,
     input_features: torch.Tensor | None = None,
@@ -118,62 +110,36 @@ def stream(
 
     Arguments are checked (and the cache allocated) at the call, before the first step runs.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    rows = _prompt_rows(input_ids, attention_mask)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     gen_config = resolve_generation_config(model, generation_config)
-    params = gen_config.sampling(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
+    sampling = dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
     )
+    gen_config.sampling(**sampling)  # checks the values now rather than at the first step
     device = model.device
-    input_ids = input_ids.to(device)
-    batch, length = input_ids.shape
-    mask = (
-        torch.ones_like(input_ids, dtype=torch.bool)
-        if attention_mask is None
-        else attention_mask.to(device=device, dtype=torch.bool)
-    )
-    if mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
-    real = mask.sum(-1)
-    if length == 0 or bool((real == 0).any()):
-        raise ValueError("every prompt needs at least one token")
-
+    batch = len(rows)
     context = model.config.text.max_position_embeddings
-    longest = int(real.max())
+    longest = max(len(row) for row in rows)
     if longest >= context:
         raise ValueError(
             f"prompt of {longest} tokens does not fit the model's context of {context} tokens "
             "(at least one token must be left to generate)"
         )
-    # Positions count real tokens, so the longest prompt decides how many new tokens still fit.
+    # Every row gets the same budget: what the context leaves after the longest prompt.
     max_new_tokens = min(max_new_tokens, context - longest)
 
     stops = gen_config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
-    stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     pad_id = gen_config.pad_token_id
     if pad_id is None:
         # transformers pads finished rows with the first eos id when no pad id is set.
         pad_id = stops[0] if stops else 0
-    pad = torch.full((batch,), pad_id, dtype=torch.long, device=device)
 
-    if cache is None:
-        cache = model.make_cache(batch, length + max_new_tokens)
-    else:
-        if cache.batch_size != batch or cache.max_len < length + max_new_tokens:
-            raise ValueError(
-                f"cache for {cache.batch_size} rows of {cache.max_len} tokens cannot hold "
-                f"{batch} rows of {length} + {max_new_tokens} tokens"
-            )
-        cache.reset()
-    if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
+    if cache is not None and (cache.num_slots < batch or cache.max_len < longest + max_new_tokens):
         raise ValueError(
-            f"mm_token_type_ids has shape {tuple(mm_token_type_ids.shape)}, input_ids {tuple(input_ids.shape)}"
+            f"cache for {cache.num_slots} rows of {cache.max_len} tokens cannot hold "
+            f"{batch} rows of {longest} + {max_new_tokens} tokens"
         )
     media = {
         "pixel_values": pixel_values,
@@ -183,63 +149,119 @@ def stream(
         "mm_token_type_ids": mm_token_type_ids,
     }
     media = {name: value for name, value in media.items() if value is not None}
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     stats = stats if stats is not None else GenerationStats()
-    stats.batch, stats.prompt_tokens, stats.steps = batch, int(real.sum()), 0
+    stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
-    return _loop(
-        model, input_ids, mask, cache, params, generator, stop_ids, pad, max_new_tokens, stats, media
-    )
-
-
-def _loop(
-    model: Gemma,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor,
-    cache: KVCache,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    stop_ids: torch.Tensor,
-    pad: torch.Tensor,
-    max_new_tokens: int,
-    stats: GenerationStats,
-    media: dict[str, torch.Tensor],
-) -> Iterator[torch.Tensor]:
-    # The penalty looks at the prompt's real tokens and everything generated so far.
-    history, history_mask = input_ids, mask
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     if max_new_tokens == 0:
-        return
-    started = time.perf_counter()
-    logits = prefill(model, input_ids, mask, cache, **media)
-    for step in range(max_new_tokens):
-        tokens = next_token(logits, params, generator=generator, history=history, history_mask=history_mask)
-        tokens = torch.where(unfinished, tokens, pad)
-        unfinished = unfinished & ~torch.isin(tokens, stop_ids)
-        done = step == max_new_tokens - 1 or not bool(unfinished.any())
-        _account(stats, started, first=step == 0)
-        yield tokens
-        if done:
-            return
+        return iter(())
+    engine = Engine(
+        model,
+        max_batch_size=batch,
+        max_len=longest + max_new_tokens,
+        prefill_chunk=prefill_chunk,
+        generation_config=gen_config,
+        cache=cache,
+    )
+    per_row = _media_per_row(model, input_ids, attention_mask, media) if media else [{}] * batch
+    for row, (prompt, extra) in enumerate(zip(rows, per_row)):
+        # Every row is its own request; a seed gives each the generator it would have alone.
+        engine._add(
+            row,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            stop_token_ids=stops,
+            **extra,
+        )
+    return _loop(engine, batch, torch.full((batch,), pad_id, dtype=torch.long, device=device), stats)
+
+
+def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats) -> Iterator[torch.Tensor]:
+    """Yield step i once every row has its i-th token or has finished (finished rows get ``pad``)."""
+    produced: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
+    yielded = 0
+    while True:
         started = time.perf_counter()
-        if params.repetition_penalty not in (None, 1.0):
-            history = torch.cat((history, tokens[:, None]), dim=1)
-            history_mask = torch.cat((history_mask, torch.ones_like(tokens[:, None], dtype=torch.bool)), 1)
-        logits = decode_step(model, tokens, cache)
+        for row, token, done in engine.step():
+            produced[row].append(token)
+            finished[row] = finished[row] or done
+        elapsed = time.perf_counter() - started
+        if yielded == 0:
+            stats.prefill_seconds += elapsed
+        else:
+            stats.decode_seconds += elapsed
+        while all(len(p) > yielded or f for p, f in zip(produced, finished)):
+            if all(f and len(p) <= yielded for p, f in zip(produced, finished)):
+                return
+            tokens = pad.clone()
+            for row, tokens_of_row in enumerate(produced):
+                if len(tokens_of_row) > yielded:
+                    tokens[row] = tokens_of_row[yielded]
+            yielded += 1
+            stats.steps += 1
+            yield tokens
+        if not engine.has_unfinished_requests() and all(len(p) <= yielded for p in produced):
+            return
 
 
-def _account(stats: GenerationStats, started: float, first: bool) -> None:
-    elapsed = time.perf_counter() - started
-    if first:
-        stats.prefill_seconds += elapsed
+def _prompt_rows(input_ids, attention_mask) -> list[list[int]]:
+    """Each row's real tokens: a (B, L) tensor with its left-padding mask, or a list of id lists."""
+    if not isinstance(input_ids, torch.Tensor):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a (batch, length) tensor, not with a list of prompts")
+        rows = [list(row) for row in input_ids]
+        if not rows or any(len(row) == 0 for row in rows):
+            raise ValueError("every prompt needs at least one token")
+        return rows
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
-        stats.decode_seconds += elapsed
-    stats.steps += 1
+        mask = attention_mask.to(dtype=torch.bool, device=input_ids.device)
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    ids, mask = input_ids.tolist(), mask.tolist()
+    rows = [[t for t, real in zip(row, keep) if real] for row, keep in zip(ids, mask)]
+    if input_ids.shape[1] == 0 or any(len(row) == 0 for row in rows):
+        raise ValueError("every prompt needs at least one token")
+    return rows
+
+
+def _media_per_row(model, input_ids, attention_mask, media) -> list[dict]:
+    """Embeddings of a padded multimodal batch, made at once (as transformers does), split by row."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError("media go with a (batch, length) tensor of prompts, as the processor returns them")
+    types = media.pop("mm_token_type_ids", None)
+    if types is not None and types.shape != input_ids.shape:
+        raise ValueError(
+            f"mm_token_type_ids has shape {tuple(types.shape)}, input_ids {tuple(input_ids.shape)}"
+        )
+    device = model.device
+    ids = input_ids.to(device)
+    with torch.inference_mode():
+        embeds, text_ids = model.embed_multimodal(ids, **media)
+    blocks = None
+    if types is not None and model.config.text.use_bidirectional_attention == "vision":
+        blocks = vision_block_ids(types.to(device))
+    mask = (
+        torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    )
+    return [
+        {
+            "embeds": embeds[b][mask[b]][None],
+            "text_ids": text_ids[b][mask[b]][None],
+            "blocks": None if blocks is None else blocks[b][mask[b]][None],
+        }
+        for b in range(ids.shape[0])
+    ]
 
 
 def generate(
     model: Gemma,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | Sequence[Sequence[int]],
     *,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int,
@@ -258,9 +280,11 @@ def generate(
     input_features: torch.Tensor | None = None,
     input_features_mask: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
+    * ``input_ids`` may also be a list of prompts of any lengths (lists of ids, no padding): the
+      result is then a list of lists, each prompt followed by its new tokens up to its stop token.
     * ``attention_mask`` (B, L): 1 for real tokens, 0 for left padding (default: all real).
     * Sampling: a parameter left as None takes ``generation_config``'s value (a ``GenerationConfig``
       or the dict of a ``generation_config.json``); without one, decoding is greedy.
@@ -301,7 +325,25 @@ def generate(
             mm_token_type_ids=mm_token_type_ids,
         )
     )
+    if not isinstance(input_ids, torch.Tensor):
+        return _rows_with_replies(input_ids, tokens, stop_token_ids, generation_config, model)
     input_ids = input_ids.to(model.device)
     if not tokens:
         return input_ids.clone()
     return torch.cat((input_ids, torch.stack(tokens, dim=1)), dim=1)
+
+
+def _rows_with_replies(prompts, steps, stop_token_ids, generation_config, model) -> list[list[int]]:
+    """Each prompt followed by its own new tokens, cut after its stop token (no padding)."""
+    stops = set(resolve_generation_config(model, generation_config).eos_token_ids)
+    if stop_token_ids is not None:
+        stops = set(stop_token_ids)
+    rows = []
+    for row, prompt in enumerate(prompts):
+        reply = []
+        for step in steps:
+            reply.append(int(step[row]))
+            if reply[-1] in stops:
+                break
+        rows.append(list(prompt) + reply)
+    return rows

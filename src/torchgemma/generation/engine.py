@@ -1,0 +1,363 @@
+"""The engine: many requests, each its own sequence in a slot of one cache, stepped together.
+
+    engine = Engine(model, max_batch_size=8, max_len=4096)
+    engine.add_request("a", prompt_ids, max_new_tokens=64, temperature=0.7, seed=1)
+    while engine.has_unfinished_requests():
+        for request_id, token_id, finished in engine.step():
+            ...
+
+The names follow vLLM's ``LLMEngine``. Each ``step()``:
+
+1. admits waiting requests into free slots (first come, first served; the rest keep waiting);
+2. runs one prefill chunk (at most ``prefill_chunk`` tokens) of every request still reading its
+   prompt; a request whose prompt is now complete samples its first token;
+3. runs one decode step over every request that already had a token, all in one forward pass;
+4. frees the slots of finished requests (usable by the next step's admissions).
+
+A request gets what it would get alone: its prefill chunks do not depend on the others, its rows in
+the batched decode are computed row by row where the arithmetic could differ (attention spans), and
+sampling uses its own parameters, history and generator. On CPU in bf16 that holds to the bit with
+the eager attention backend (tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import KVCache
+from ..model import Gemma
+from ..model.multimodal import vision_block_ids
+from .config import GenerationConfig
+from .sampling import SamplingParams, next_token
+
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_NEW_TOKENS = 256
+
+# A request's multimodal inputs, as transformers' Gemma 4 processor names them.
+MEDIA_INPUTS = (
+    "pixel_values",
+    "image_position_ids",
+    "input_features",
+    "input_features_mask",
+    "mm_token_type_ids",
+)
+
+
+@dataclass
+class Request:
+    """One sequence's state inside the engine."""
+
+    request_id: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Prompt embeddings with soft tokens scattered in (1, L, H), the ids for the per-layer table,
+    # and the image-block ids (1, L) of bidirectional vision attention, made at the first chunk.
+    embeds: torch.Tensor | None = None
+    text_ids: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
+    slot: int | None = None
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output)
+
+
+class Engine:
+    """Continuous batching over the slots of one KV cache (see the module docstring).
+
+    ``max_batch_size`` requests run at once, each up to ``max_len`` tokens (prompt and reply).
+    After a step, ``finished`` maps each request that ended in it to ``"stop"`` (a stop token) or
+    ``"length"`` (its token budget).
+    ``generation_config`` (ours, or a ``generation_config.json`` dict) supplies the sampling
+    defaults and stop ids of requests that leave them unset. ``cache`` reuses a cache made by
+    ``model.make_cache`` (its slots and length then set the limits). If ``torchgemma.compile``
+    was applied to the model, decode steps run its compiled static-shape step.
+    """
+
+    def __init__(
+        self,
+        model: Gemma,
+        max_batch_size: int = 8,
+        max_len: int = 4096,
+        *,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_rollback: int = 0,
+        generation_config: GenerationConfig | Mapping[str, Any] | None = None,
+        cache: KVCache | None = None,
+    ):
+        if prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.model = model
+        if cache is None:
+            cache = model.make_cache(max_batch_size, max_len, max_rollback=max_rollback)
+        else:
+            cache.reset()
+        self.cache = cache
+        self.max_batch_size = cache.num_slots
+        self.max_len = cache.max_len
+        self.prefill_chunk = prefill_chunk
+        if isinstance(generation_config, GenerationConfig):
+            self.generation_config = generation_config
+        else:
+            self.generation_config = GenerationConfig.from_dict(generation_config or {}, model.config.text)
+        # Unfinished requests by id, and why each request that finished in the last step ended.
+        self.requests: dict[Hashable, Request] = {}
+        self.finished: dict[Hashable, str] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}  # slot -> request
+        self._compiled = getattr(model, "compiled_decode", None)
+
+    # ── the contract ─────────────────────────────────────────────────────────────────────────
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at the next ``step()`` with a free slot.
+
+        Sampling arguments as in ``generate``, for this request alone: unset ones take the engine's
+        generation config; ``seed`` gives the request its own generator (else torch's global RNG);
+        ``stop_token_ids=None`` means the config's eos ids. ``max_new_tokens`` is cut to what
+        ``max_len`` and the model's context leave after the prompt. Media as ``generate`` takes them,
+        with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt.
+        """
+        media = {
+            "pixel_values": pixel_values,
+            "image_position_ids": image_position_ids,
+            "input_features": input_features,
+            "input_features_mask": input_features_mask,
+            "mm_token_type_ids": mm_token_type_ids,
+        }
+        media = {name: value for name, value in media.items() if value is not None}
+        if "mm_token_type_ids" in media:
+            media["mm_token_type_ids"] = media["mm_token_type_ids"].reshape(1, -1)
+        self._add(
+            request_id,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=dict(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+            ),
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            media=media,
+        )
+
+    def step(self) -> list[tuple[Hashable, int, bool]]:
+        """Advance every running request by at most one token: ``(request_id, token_id, finished)``."""
+        self.finished = {}
+        self._admit()
+        outputs = []
+        decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
+        with torch.inference_mode():
+            for request in [r for r in self._running.values() if not r.decoding]:
+                logits = self._prefill_chunk(request)
+                if logits is not None:
+                    outputs.append(self._emit(request, logits))
+            if decoding:
+                logits = self._decode(decoding)
+                outputs += [self._emit(r, logits[i : i + 1]) for i, r in enumerate(decoding)]
+        return outputs
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Drop a request, waiting or running; its slot is free for the next step."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.slot is None:
+            self._waiting.remove(request)
+        else:
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ── requests ─────────────────────────────────────────────────────────────────────────────
+
+    def _add(
+        self,
+        request_id: Hashable,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+        stop_token_ids: Sequence[int] | None,
+        media: dict[str, torch.Tensor] | None = None,
+        embeds: torch.Tensor | None = None,
+        text_ids: torch.Tensor | None = None,
+        blocks: torch.Tensor | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already queued or running")
+        prompt = _token_list(input_ids, self.model.config.text.vocab_size)
+        context = self.model.config.text.max_position_embeddings
+        room = min(self.max_len, context) - len(prompt)
+        if room <= 0:
+            raise ValueError(
+                f"request {request_id!r}: a prompt of {len(prompt)} tokens leaves no room to generate "
+                f"(max_len {self.max_len}, model context {context})"
+            )
+        config = self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        if max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt=prompt,
+            params=config.sampling(**sampling),
+            max_new_tokens=min(max_new_tokens, room),
+            stop_token_ids=frozenset(stops),
+            generator=None if seed is None else torch.Generator(device=self.model.device).manual_seed(seed),
+            media=media or {},
+            embeds=embeds,
+            text_ids=text_ids,
+            blocks=blocks,
+        )
+        self.requests[request_id] = request
+        self._waiting.append(request)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.max_batch_size) if s not in self._running]
+        while self._waiting and free:
+            request = self._waiting.popleft()
+            request.slot = free.pop(0)
+            self.cache.free(request.slot)
+            self._running[request.slot] = request
+
+    def _release(self, request: Request) -> None:
+        del self._running[request.slot]
+        self.cache.free(request.slot)
+        request.embeds = request.text_ids = request.blocks = None
+        request.media = {}
+
+    def _emit(self, request: Request, logits: torch.Tensor) -> tuple[Hashable, int, bool]:
+        """Pick the request's next token from its logits (1, V) and record it."""
+        history = None
+        if request.params.repetition_penalty not in (None, 1.0):
+            history = torch.tensor([request.prompt + request.output], device=logits.device)
+        token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
+        request.output.append(token)
+        if token in request.stop_token_ids:
+            request.finish_reason = "stop"
+        elif len(request.output) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            self._release(request)
+            del self.requests[request.request_id]
+            self.finished[request.request_id] = request.finish_reason
+        return request.request_id, token, request.finish_reason is not None
+
+    # ── forward passes ───────────────────────────────────────────────────────────────────────
+
+    def _prefill_chunk(self, request: Request) -> torch.Tensor | None:
+        """The next chunk of the request's prompt; float32 logits (1, V) after its last chunk."""
+        model, device = self.model, self.model.device
+        length = len(request.prompt)
+        if request.prefilled == 0 and request.media:
+            self._embed_media(request)
+        start = request.prefilled
+        end = min(length, start + self.prefill_chunk)
+        if request.blocks is not None:
+            # An image's tokens attend to each other both ways: never split one across chunks.
+            blocks = request.blocks[0].tolist()
+            while end < length and blocks[end] >= 0 and blocks[end] == blocks[end - 1]:
+                end += 1
+        if request.text_ids is None:
+            text_ids = model.text_ids(torch.tensor([request.prompt[start:end]], device=device))
+        else:
+            text_ids = request.text_ids[:, start:end]
+        logits = model.language_model(
+            text_ids,
+            cache=self.cache,
+            keep_last=1,
+            slots=[request.slot],
+            inputs_embeds=None if request.embeds is None else request.embeds[:, start:end],
+            vision_blocks=None if request.blocks is None else request.blocks[:, start:end],
+        )
+        request.prefilled = end
+        if end < length:
+            return None
+        request.embeds = request.text_ids = request.blocks = None
+        return logits[:, -1].float()
+
+    def _embed_media(self, request: Request) -> None:
+        model = self.model
+        media = dict(request.media)
+        types = media.pop("mm_token_type_ids", None)
+        ids = torch.tensor([request.prompt], device=model.device)
+        request.embeds, request.text_ids = model.embed_multimodal(ids, **media)
+        if types is not None and model.config.text.use_bidirectional_attention == "vision":
+            request.blocks = vision_block_ids(types.to(model.device))
+
+    def _decode(self, requests: list[Request]) -> torch.Tensor:
+        """One token for each decoding request, in one forward pass: float32 logits (n, V)."""
+        device = self.model.device
+        slots = [r.slot for r in requests]
+        last = [r.output[-1] for r in requests]
+        if self._compiled is None:
+            tokens = self.model.text_ids(torch.tensor(last, device=device)[:, None])
+            logits = self.model.language_model(tokens, cache=self.cache, slots=slots)
+            return logits[:, -1].float()
+        # The compiled step runs every slot with static shapes; idle slots change nothing.
+        size = self.cache.num_slots
+        tokens = torch.zeros(size, 1, dtype=torch.long)
+        active = torch.zeros(size, dtype=torch.bool)
+        tokens[slots, 0] = torch.tensor(last)
+        active[slots] = True
+        positions = torch.tensor(self.cache.lengths)
+        tokens = self.model.text_ids(tokens.to(device))
+        logits = self._compiled(self.cache, tokens, positions.to(device), active.to(device))
+        self.cache.advance(slots)
+        return logits[slots]
+
+
+def _token_list(input_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids must be a list of ints, got a tensor of shape {tuple(input_ids.shape)}"
+            )
+        input_ids = input_ids.tolist()
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError("a request needs at least one prompt token")
+    for i, token in enumerate(prompt):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"prompt token {i} is {token!r}: token ids are ints in [0, {vocab_size})")
+    return prompt

@@ -1,0 +1,208 @@
+"""The engine: requests join and leave a running batch, and each gets what it would get alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchgemma
+from checkpoints import STYLES, reference_model
+from torchgemma import Engine
+from torchgemma.generation import generate, stream
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Prompt lengths shorter and longer than the prefill chunk (4) and the sliding window (5).
+PROMPTS = {"a": 9, "b": 3, "c": 14, "d": 6}
+NEW = {"a": 20, "b": 5, "c": 12, "d": 16}  # "a" decodes through four wrap-arounds of the window
+JOINS = {"a": 0, "b": 0, "d": 0, "c": 4}  # "c" is added at step 4, and waits for "b"'s slot
+GREEDY = dict(temperature=0, stop_token_ids=[])
+
+
+class RecordingEngine(Engine):
+    """Keeps every request's logits, to compare runs beyond their tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits: dict = {}
+
+    def _emit(self, request, logits):
+        self.logits.setdefault(request.request_id, []).append(logits[0].clone())
+        return super()._emit(request, logits)
+
+
+def prompts(seed: int = 0) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {r: torch.randint(3, 300, (n,), generator=gen).tolist() for r, n in PROMPTS.items()}
+
+
+def run(engine: Engine, requests: dict, joins: dict, **sampling) -> dict[str, list[int]]:
+    """Add each request at its step; step until done; tokens per request."""
+    out: dict[str, list[int]] = {}
+    done: set[str] = set()
+    step = 0
+    while True:
+        for request, at in joins.items():
+            if at == step:
+                engine.add_request(request, requests[request], max_new_tokens=NEW[request], **sampling)
+        for request, token, finished in engine.step():
+            assert request not in done, f"{request} produced a token after it finished"
+            out.setdefault(request, []).append(token)
+            if finished:
+                done.add(request)
+        step += 1
+        if not engine.has_unfinished_requests() and step > max(joins.values()):
+            return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_a_request_gets_what_it_gets_alone(gen_checkpoints, style, dtype, backend):
+    """Three slots, four requests joining at different steps and finishing at different steps, with
+    chunked prefill: each request's tokens equal its run alone; float64 logits equal (the same
+    math), bf16 logits to the bit."""
+    model = torchgemma.load(gen_checkpoints[style], dtype=dtype, attention=backend)
+    requests = prompts()
+    batched = RecordingEngine(model, max_batch_size=3, max_len=40, prefill_chunk=4)
+    together = run(batched, requests, JOINS, **GREEDY)
+    assert {r: len(t) for r, t in together.items()} == NEW
+    for request in requests:
+        alone_engine = RecordingEngine(model, max_batch_size=1, max_len=40, prefill_chunk=4)
+        alone = run(alone_engine, requests, {request: 0}, **GREEDY)
+        assert together[request] == alone[request], request
+        ours, theirs = torch.stack(batched.logits[request]), torch.stack(alone_engine.logits[request])
+        difference = (ours - theirs).abs().max()
+        if dtype == torch.bfloat16:
+            assert torch.equal(ours, theirs), f"{request}: max |Δ| {difference}"
+        elif dtype == torch.float64:
+            assert difference <= 1e-12, request
+        else:
+            # MKL's float32 GEMM rounds a row differently with the number of rows beside it (one
+            # alone, three in the batch). Measured up to 3.2e-4 on these random checkpoints, whose
+            # own float32 error against float64 is up to 2.4e-4 (logits of magnitude below 2).
+            assert difference <= 5e-4, request
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_batched_requests_match_transformers(gen_checkpoints, style):
+    """bf16 greedy: every request of a changing batch equals transformers' generate of its prompt."""
+    folder = gen_checkpoints[style]
+    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
+    ref = reference_model(folder, torch.bfloat16)
+    requests = prompts(seed=1)
+    together = run(Engine(model, max_batch_size=3, max_len=40), requests, JOINS, **GREEDY)
+    for request, prompt in requests.items():
+        with torch.no_grad():
+            theirs = ref.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW[request], do_sample=False, eos_token_id=None
+            )
+        assert together[request] == theirs[0, len(prompt) :].tolist(), request
+
+
+def test_seeded_sampling_does_not_depend_on_neighbours(gen_checkpoints):
+    model = torchgemma.load(gen_checkpoints["e4b"], dtype=torch.bfloat16)
+    requests = prompts(seed=2)
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.1, stop_token_ids=[])
+    engine = Engine(model, max_batch_size=4, max_len=40)
+    for request in requests:  # neighbours: seeded and unseeded samplers, and a greedy one
+        engine.add_request(request, requests[request], max_new_tokens=NEW[request], seed=None, **sampled)
+    engine.add_request("x", requests["a"], max_new_tokens=12, seed=7, **sampled)
+    engine.add_request("greedy", requests["c"], max_new_tokens=12, temperature=0)
+    together: dict = {}
+    while engine.has_unfinished_requests():
+        for request, token, _ in engine.step():
+            together.setdefault(request, []).append(token)
+    alone = Engine(model, max_batch_size=1, max_len=40)
+    alone.add_request("x", requests["a"], max_new_tokens=12, seed=7, **sampled)
+    tokens = []
+    while alone.has_unfinished_requests():
+        tokens += [token for _, token, _ in alone.step()]
+    assert together["x"] == tokens
+    other_seed = generate(model, [requests["a"]], max_new_tokens=12, seed=8, **sampled)[0]
+    assert other_seed[len(requests["a"]) :] != tokens
+
+
+def test_waiting_abort_and_finish_reasons(gen_checkpoints):
+    model = torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32)
+    requests = prompts(seed=3)
+    free = generate(model, [requests["b"]], max_new_tokens=10, **GREEDY)[0][len(requests["b"]) :]
+    # b stops at the first token of its continuation not seen before it, after at least two steps.
+    at = next(i for i in range(2, 10) if free[i] not in free[:i])
+    stop = free[at]
+    engine = Engine(model, max_batch_size=2, max_len=40)
+    engine.add_request("a", requests["a"], max_new_tokens=30, **GREEDY)
+    engine.add_request("b", requests["b"], max_new_tokens=30, stop_token_ids=[stop], temperature=0)
+    engine.add_request("c", requests["c"], max_new_tokens=2, **GREEDY)
+    engine.add_request("d", requests["d"], max_new_tokens=2, **GREEDY)
+    with pytest.raises(ValueError, match="already queued or running"):
+        engine.add_request("a", requests["a"])
+    seen = [{r for r, _, _ in engine.step()} for _ in range(at)]
+    assert seen == [{"a", "b"}] * at  # two slots: c and d wait
+    engine.abort_request("d")  # a waiting request never runs
+    outputs = engine.step()  # b produces its stop token
+    assert ("b", stop, True) in outputs and engine.finished == {"b": "stop"}
+    assert {r for r, _, _ in engine.step()} == {"a", "c"}  # c took b's slot at once
+    assert {r for r, _, _ in engine.step()} == {"a", "c"} and engine.finished == {"c": "length"}
+    engine.abort_request("a")  # a running request: its slot is freed
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert engine.cache.lengths == [0, 0]
+    engine.abort_request("unknown")  # nothing to do
+
+
+def test_bad_requests_are_refused_with_the_reason(gen_checkpoints):
+    model = torchgemma.load(gen_checkpoints["31b"])
+    engine = Engine(model, max_batch_size=1, max_len=10)
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match=r"prompt token 1 is 300: token ids are ints in \[0, 300\)"):
+        engine.add_request("vocab", [5, 300])
+    with pytest.raises(ValueError, match="leaves no room to generate"):
+        engine.add_request("long", list(range(3, 13)))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.add_request("zero", [5, 6], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("hot", [5, 6], temperature=-1)
+    # The budget is cut to the slot's room: 10 - 4 prompt tokens.
+    engine.add_request("cut", [5, 6, 7, 8], max_new_tokens=100, **GREEDY)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [token for _, token, _ in engine.step()]
+    assert len(tokens) == 6 and engine.finished == {"cut": "length"}
+
+
+def test_generate_and_stream_take_prompts_of_any_length(gen_checkpoints):
+    """A list of id lists: each row its own sequence, no padding; generate returns lists."""
+    model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.bfloat16)
+    requests = prompts(seed=4)
+    rows = [requests["a"], requests["b"], requests["c"]]
+    out = generate(model, rows, max_new_tokens=7, **GREEDY)
+    assert [len(r) for r in out] == [len(p) + 7 for p in rows]
+    for row, prompt in zip(out, rows):
+        assert row == generate(model, [prompt], max_new_tokens=7, **GREEDY)[0]
+    # The same prompts left-padded in a tensor batch give the same tokens.
+    padded = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, prompt in enumerate(rows):
+        padded[i, 14 - len(prompt) :] = torch.tensor(prompt)
+        mask[i, 14 - len(prompt) :] = 1
+    tensor_out = generate(model, padded, attention_mask=mask, max_new_tokens=7, **GREEDY)
+    assert [r[len(p) :] for r, p in zip(out, rows)] == tensor_out[:, 14:].tolist()
+    steps = list(stream(model, rows, max_new_tokens=7, **GREEDY))
+    assert torch.stack(steps, 1).tolist() == tensor_out[:, 14:].tolist()
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [[5], []], max_new_tokens=2)
+
+
+def test_stop_tokens_end_rows_of_a_list_batch(gen_checkpoints):
+    model = torchgemma.load(gen_checkpoints["e4b"], dtype=torch.float32)
+    requests = prompts(seed=5)
+    free = generate(model, [requests["a"], requests["d"]], max_new_tokens=8, **GREEDY)
+    stop = free[0][len(requests["a"]) + 2]
+    out = generate(
+        model, [requests["a"], requests["d"]], max_new_tokens=8, temperature=0, stop_token_ids=[stop]
+    )
+    assert out[0] == free[0][: len(requests["a"]) + 3]  # cut after its stop token
+    first_stop = next((i for i, t in enumerate(free[1][len(requests["d"]) :]) if t == stop), None)
+    expected = free[1] if first_stop is None else free[1][: len(requests["d"]) + first_stop + 1]
+    assert out[1] == expected
