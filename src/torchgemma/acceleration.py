@@ -1,0 +1,78 @@
+"""Speed as a transform of a built model: a compiled, static-shape decode step.
+
+    model = torchgemma.compile(torchgemma.load(...))   # then Engine / generate / LLM use it
+
+``decode_step`` runs one token for *every* slot of a cache, from tensors alone: the tokens (S, 1),
+each slot's position (S,) and which slots really decode (S,). Idle slots compute on whatever they are
+fed and change nothing, so the shapes never change with the batch's occupancy, and nothing in the
+step reads host state: ``torch.compile(fullgraph=True)`` traces it once, with no graph break and no
+recompile across steps, slot changes or occupancy. On CUDA the compiled step is also captured in
+CUDA graphs (``mode="reduce-overhead"``, the cache buffers marked as static addresses).
+
+What changes under compilation: the mixture of experts takes its gathered (static-shape) path,
+bit-identical to the eager expert loop in bf16 on CPU; prefill is never compiled (its shapes vary).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .cache import KVCache
+from .model import Gemma
+
+
+def decode_step(
+    model: Gemma, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor
+) -> torch.Tensor:
+    """One token for every slot: tokens (S, 1), positions (S,), active (S,) -> float32 logits (S, V).
+
+    ``tokens`` are already text ids (``model.text_ids``). The caller records the new lengths with
+    ``cache.advance``.
+    """
+    return model.language_model.decode(tokens, cache, positions, active)[:, -1].float()
+
+
+class CompiledDecode:
+    """``decode_step`` compiled for one model (the engine calls it with its cache)."""
+
+    def __init__(self, model: Gemma, *, backend: str = "inductor", mode: str | None = None, cuda_graphs=None):
+        on_cuda = model.device.type == "cuda"
+        self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not on_cuda:
+            raise ValueError(f"CUDA graphs need the model on a CUDA device; it is on {model.device}")
+        if backend == "inductor" and mode is None and self.cuda_graphs:
+            mode = "reduce-overhead"
+        options = {"mode": mode} if backend == "inductor" else {}
+        self.model = model
+        self.step = torch.compile(decode_step, backend=backend, fullgraph=True, dynamic=False, **options)
+        self._static: weakref.WeakSet[KVCache] = weakref.WeakSet()
+
+    def __call__(
+        self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor
+    ) -> torch.Tensor:
+        if self.cuda_graphs:
+            if cache not in self._static:
+                # The graphs write into the cache in place: its buffers must keep their addresses.
+                for layer in cache.layers:
+                    if layer is not None:
+                        torch._dynamo.mark_static_address(layer.keys)
+                        torch._dynamo.mark_static_address(layer.values)
+                self._static.add(cache)
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.step(self.model, cache, tokens, positions, active)
+        # A graph replay reuses its output memory: hand out a copy.
+        return logits.clone() if self.cuda_graphs else logits
+
+
+def compile(  # noqa: A001 - torchgemma.compile, as torch.compile
+    model: Gemma, *, backend: str = "inductor", mode: str | None = None, cuda_graphs: bool | None = None
+) -> Gemma:
+    """Give ``model`` a compiled static-shape decode step; returns the same model.
+
+    ``Engine`` (and so ``generate``, ``stream`` and ``LLM``) then decode with it. ``backend`` and
+    ``mode`` go to ``torch.compile``; ``cuda_graphs`` defaults to on for a model on CUDA.
+    """
+    model.compiled_decode = CompiledDecode(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs)
+    return model

@@ -1,0 +1,111 @@
+"""The compiled decode step: one graph, no graph breaks, no recompiles, same tokens as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchgemma
+from torchgemma import Engine
+from torchgemma.acceleration import decode_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Compiled code is cached per function across models: start every test from nothing.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "style, backend", [("e2b", "sdpa"), ("26b", "sdpa"), ("31b", "sdpa"), ("e2b", "eager")]
+)
+def test_decode_step_has_no_graph_breaks(text_checkpoints, style, backend):
+    """E2B (PLE, KV sharing), 26B (MoE: the gathered expert path) and 31B (K=V): one graph, with
+    either attention backend (E4B has no part E2B lacks)."""
+    model = torchgemma.load(text_checkpoints[style], dtype=torch.bfloat16, attention=backend)
+    cache = model.make_cache(4, 32)
+    tokens = torch.tensor([[5], [6], [7], [8]])
+    positions = torch.tensor([3, 0, 7, 31])  # slot 3 is full: idle, it must not write past the end
+    active = torch.tensor([True, False, True, False])
+    explained = torch._dynamo.explain(decode_step)(model, cache, tokens, positions, active)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def counting_backend(graphs: list):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def run(engine: Engine, requests: dict[str, list[int]], joins: dict[str, int], new: int) -> dict:
+    out: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or step <= max(joins.values()):
+        for request, at in joins.items():
+            if at == step:
+                engine.add_request(
+                    request, requests[request], max_new_tokens=new, temperature=0, stop_token_ids=[]
+                )
+        for request, token, _ in engine.step():
+            out.setdefault(request, []).append(token)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b", "31b"])
+def test_compiled_engine_never_recompiles(gen_checkpoints, style):
+    """Requests join and leave (occupancy 1 to 3 of 3 slots, slots reused): the step is traced once,
+    and gives the eager engine's greedy tokens."""
+    gen = torch.Generator().manual_seed(0)
+    requests = {
+        r: torch.randint(3, 300, (n,), generator=gen).tolist() for r, n in zip("abcde", (7, 3, 9, 4, 6))
+    }
+    joins = {"a": 0, "b": 1, "c": 1, "d": 6, "e": 9}
+    eager = torchgemma.load(gen_checkpoints[style], dtype=torch.float32)
+    expected = run(Engine(eager, max_batch_size=3, max_len=32), requests, joins, new=8)
+
+    graphs: list = []
+    model = torchgemma.compile(
+        torchgemma.load(gen_checkpoints[style], dtype=torch.float32), backend=counting_backend(graphs)
+    )
+    engine = Engine(model, max_batch_size=3, max_len=32)
+    assert run(engine, requests, joins, new=8) == expected
+    assert len(graphs) == 1
+    # A second batch of requests through the same engine: still the one graph.
+    assert run(engine, requests, {"a": 0, "e": 2}, new=5) == {r: expected[r][:5] for r in "ae"}
+    assert len(graphs) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_inductor_compiled_engine_matches_eager(gen_checkpoints, style):
+    """The real thing: torch.compile with inductor on CPU (minutes to compile on 2 cores)."""
+    gen = torch.Generator().manual_seed(1)
+    requests = {r: torch.randint(3, 300, (n,), generator=gen).tolist() for r, n in zip("abc", (7, 3, 9))}
+    joins = {"a": 0, "b": 0, "c": 3}
+    eager = torchgemma.load(gen_checkpoints[style], dtype=torch.float32)
+    expected = run(Engine(eager, max_batch_size=2, max_len=32), requests, joins, new=8)
+    model = torchgemma.compile(torchgemma.load(gen_checkpoints[style], dtype=torch.float32))
+    assert run(Engine(model, max_batch_size=2, max_len=32), requests, joins, new=8) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("style", ["e2b", "26b", "31b"])
+def test_cuda_graph_engine_matches_eager(gen_checkpoints, style):
+    """On CUDA: the compiled step captured in CUDA graphs gives the eager engine's greedy tokens."""
+    gen = torch.Generator().manual_seed(2)
+    requests = {r: torch.randint(3, 300, (n,), generator=gen).tolist() for r, n in zip("abcd", (7, 3, 9, 5))}
+    joins = {"a": 0, "b": 0, "c": 3, "d": 5}
+    eager = torchgemma.load(gen_checkpoints[style], dtype=torch.float32, device="cuda")
+    expected = run(Engine(eager, max_batch_size=3, max_len=32), requests, joins, new=8)
+    model = torchgemma.compile(torchgemma.load(gen_checkpoints[style], dtype=torch.float32, device="cuda"))
+    assert model.compiled_decode.cuda_graphs
+    assert run(Engine(model, max_batch_size=3, max_len=32), requests, joins, new=8) == expected
