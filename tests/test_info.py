@@ -49,15 +49,19 @@ def test_published_parameter_counts(name):
 
 
 def test_e2b_kv_cache_at_128k():
-    """12 sliding layers x 512 slots + 3 full layers x 131072 slots, K and V, 1 KV head, 256/512 dims."""
-    info = describe(
-        ModelConfig.from_hf(published_multimodal("e2b")), context=131072, batch=1, dtype=torch.bfloat16
-    )
-    expected = 2 * 2 * (12 * 512 * 256 + 3 * 131072 * 512)
+    """12 sliding layers x 511 columns + 3 full layers x 131072 columns, K and V, 1 KV head, 256/512 dims."""
+    config = ModelConfig.from_hf(published_multimodal("e2b"))
+    info = describe(config, context=131072, batch=1, dtype=torch.bfloat16)
+    expected = 2 * 2 * (12 * 511 * 256 + 3 * 131072 * 512)
     assert info["kv_cache_bytes"] == expected
     assert round(expected / 2**30, 2) == 0.76
     assert info["kv_cache_layers"] == {"sliding": 12, "full": 3}
+    assert (info["kv_cache_sliding_columns"], info["kv_cache_sliding_slack"]) == (511, 0)
     assert info["params_ple_table"] == 262144 * 35 * 256
+    # Rolling back up to 8 tokens (speculative decoding) costs 8 more columns per sliding layer.
+    rollback = describe(config, context=131072, batch=1, dtype=torch.bfloat16, max_rollback=8)
+    assert rollback["kv_cache_bytes"] - expected == 2 * 2 * 12 * 8 * 256
+    assert (rollback["kv_cache_sliding_columns"], rollback["kv_cache_sliding_slack"]) == (519, 8)
 
 
 def test_counts_match_transformers_and_our_cache(text_checkpoints, multimodal_checkpoint):
@@ -71,6 +75,8 @@ def test_counts_match_transformers_and_our_cache(text_checkpoints, multimodal_ch
         assert info["params_total"] == sum(p.numel() for p in ref.parameters()), folder.name
         model = torchgemma.load(folder)
         assert info["kv_cache_bytes"] == model.make_cache(2, 37).nbytes
+        rollback = describe(ModelConfig.from_file(folder), context=37, batch=2, max_rollback=3)
+        assert rollback["kv_cache_bytes"] == model.make_cache(2, 37, max_rollback=3).nbytes
 
 
 def test_cli_json_and_table(multimodal_checkpoint, capsys):
@@ -78,9 +84,11 @@ def test_cli_json_and_table(multimodal_checkpoint, capsys):
     info = json.loads(capsys.readouterr().out)
     assert {"params_total", "kv_cache_bytes", "weights_bytes", "params_ple_table"} <= info.keys()
     assert info["context"] == 1000 and info["batch"] == 3
+    assert main(["info", str(multimodal_checkpoint), "--max-rollback", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_cache_sliding_slack"] == 4
     assert main(["info", str(multimodal_checkpoint / "config.json")]) == 0
     table = capsys.readouterr().out
-    assert "per-layer embeddings" in table and "KV cache" in table
+    assert "per-layer embeddings" in table and "KV cache" in table and "rollback slack" in table
 
 
 def test_cli_errors(tmp_path, capsys):

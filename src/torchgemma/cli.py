@@ -33,7 +33,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be positive, got {args.context}")
     if args.batch <= 0:
         raise ValueError(f"--batch must be positive, got {args.batch}")
-    info = describe(config, context=args.context, batch=args.batch, dtype=resolve_dtype(args.dtype))
+    info = describe(
+        config,
+        context=args.context,
+        batch=args.batch,
+        dtype=resolve_dtype(args.dtype),
+        max_rollback=args.max_rollback,
+    )
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
 
@@ -200,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--batch", type=int, default=1, help="sequences in the cache (default: 1)")
     info.add_argument(
         "--dtype", default=None, help="KV cache dtype: bf16, fp16 or fp32 (default: the checkpoint's)"
+    )
+    info.add_argument(
+        "--max-rollback",
+        type=int,
+        default=0,
+        help="tokens a sequence can take back (speculative decoding): slack in the sliding layers' ring",
     )
     info.add_argument("--json", action="store_true", help="print a JSON object")
     info.set_defaults(func=cmd_info)

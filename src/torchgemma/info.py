@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import sliding_ring
 from .config import ModelConfig
 from .model import Gemma
 
@@ -68,21 +69,30 @@ def weight_bytes(tensors: list[TensorShape], scheme: str) -> int:
     return total
 
 
-def kv_cache_bytes(config: ModelConfig, context: int, batch: int, dtype: torch.dtype) -> int:
-    """What ``make_cache(batch, context)`` allocates: full layers ``context`` slots, sliding layers
-    ``min(window, context)``, KV-shared layers none; keys and values."""
+def kv_cache_bytes(
+    config: ModelConfig, context: int, batch: int, dtype: torch.dtype, max_rollback: int = 0
+) -> int:
+    """What ``make_cache(batch, context, max_rollback=...)`` allocates: full layers ``context``
+    columns, sliding layers a ring of ``window - 1 + max_rollback`` (at most ``context``), KV-shared
+    layers none; keys and values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    ring = sliding_ring(config.text.sliding_window, context, max_rollback)
     total = 0
     for spec in config.text.layers:
         if spec.kv_role == "reuse":
             continue
-        slots = min(spec.window, context) if spec.is_sliding else context
-        total += 2 * batch * spec.num_kv_heads * spec.head_dim * slots * itemsize
+        columns = ring if spec.is_sliding else context
+        total += 2 * batch * spec.num_kv_heads * spec.head_dim * columns * itemsize
     return total
 
 
 def describe(
-    config: ModelConfig, *, context: int | None = None, batch: int = 1, dtype: torch.dtype | None = None
+    config: ModelConfig,
+    *,
+    context: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype | None = None,
+    max_rollback: int = 0,
 ) -> dict:
     """Parameter counts and memory of a checkpoint, as a JSON-ready dict."""
     text = config.text
@@ -120,7 +130,11 @@ def describe(
             "sliding": sum(s.is_sliding for s in kv_layers),
             "full": sum(not s.is_sliding for s in kv_layers),
         },
-        "kv_cache_bytes": kv_cache_bytes(config, context, batch, kv_dtype),
+        # Sliding layers keep the W - 1 keys the next call reads, plus the tokens that may be
+        # taken back (speculative decoding): the slack. Chunked prefill needs none (see cache.py).
+        "kv_cache_sliding_columns": sliding_ring(text.sliding_window, context, max_rollback),
+        "kv_cache_sliding_slack": max_rollback,
+        "kv_cache_bytes": kv_cache_bytes(config, context, batch, kv_dtype, max_rollback),
     }
 
 
@@ -155,5 +169,7 @@ def format_report(info: dict) -> str:
         f"KV cache ({info['kv_cache_dtype']}, context {info['context']:,}, batch {info['batch']}: "
         f"{info['kv_cache_layers']['sliding']} sliding + {info['kv_cache_layers']['full']} full layers cache K/V)",
         f"  {'total':<20} {b(info['kv_cache_bytes']):>12}  ({info['kv_cache_bytes']:,} bytes)",
+        f"  sliding layers keep {info['kv_cache_sliding_columns']:,} columns each: the window's "
+        f"{info['sliding_window'] - 1:,} earlier keys + {info['kv_cache_sliding_slack']} of rollback slack",
     ]
     return "\n".join(lines)
