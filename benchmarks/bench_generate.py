@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,56 +26,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import build_checkpoint, machine  # noqa: E402
 
 import torchgemma  # noqa: E402
 from torchgemma.generation import stream  # noqa: E402
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def e2b_like_config(layers: int) -> dict:
-    """Gemma 4 E2B's real widths with fewer layers: the 4:1 pattern, and the last 40% of the layers
-    KV-shared (E2B: 20 of 35), so that with 10 layers both a sliding and a full layer share."""
-    pattern = ([SLIDING] * 4 + [FULL]) * ((layers + 4) // 5)
-    return dict(
-        vocab_size=262144,
-        vocab_size_per_layer_input=262144,
-        hidden_size=1536,
-        intermediate_size=6144,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=1,
-        head_dim=256,
-        global_head_dim=512,
-        hidden_size_per_layer_input=256,
-        layer_types=pattern[:layers],
-        sliding_window=512,
-        num_kv_shared_layers=(layers * 4) // 10,
-        use_double_wide_mlp=True,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=[1, 106],
-    )
-
-
-def build_checkpoint(folder: Path, layers: int) -> Path:
-    """A random checkpoint (bf16 on disk) with transformers' own initialisation."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    if (folder / "config.json").is_file():
-        return folder
-    print(f"building a random {layers}-layer E2B-width checkpoint in {folder} ...", file=sys.stderr)
-    torch.manual_seed(0)
-    config = Gemma4TextConfig(**e2b_like_config(layers), dtype="bfloat16")
-    model = Gemma4ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    return folder
-
 
 # ---- timing one generation ---------------------------------------------------------------------
 
@@ -164,36 +117,6 @@ def bench_dtype(folder: Path, dtype: torch.dtype, args) -> dict:
             "same_tokens_as_torchgemma": bool(torch.equal(outputs[name], outputs["torchgemma"])),
         }
     return rows
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
-        if dirty.stdout.strip():
-            commit += "+dirty"
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,30 @@ def test_generate_sampling_flags_and_stdin(llm, llm_checkpoint, capsys, monkeypa
     assert out != greedy + "\n"
 
 
+def test_generate_attention_and_compile_flags(llm_checkpoint, capsys, monkeypatch):  # noqa: F811
+    """--attention eager loads the eager backend; --compile gives the model its compiled decode step
+    (here with torch.compile's eager backend, so the test does not wait for inductor)."""
+    import torch
+
+    import torchgemma.acceleration as acceleration
+
+    seen = {}
+    real_compile = acceleration.compile
+
+    def compile_spy(model, **kwargs):
+        seen["attention"] = model.attention
+        return real_compile(model, backend="eager")
+
+    monkeypatch.setattr(acceleration, "compile", compile_spy)
+    torch._dynamo.reset()
+    argv = ["generate", "--model", str(llm_checkpoint), "--temperature", "0", "--max-new-tokens", "6"]
+    code, out, _ = run([*argv, "--attention", "eager", "--compile", PROMPT], capsys)
+    torch._dynamo.reset()
+    assert code == 0 and seen == {"attention": "eager"}
+    expected = LLM(llm_checkpoint, attention="eager").generate(PROMPT, temperature=0, max_new_tokens=6)
+    assert out == expected + "\n"
+
+
 def test_chat_keeps_history(llm, llm_checkpoint, capsys, monkeypatch):  # noqa: F811
     argv = ["chat", "--model", str(llm_checkpoint), "--system", "Be brief.", "--temperature", "0"]
     argv += ["--max-new-tokens", "8"]

@@ -47,7 +47,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _load_llm(args: argparse.Namespace):
     from .llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention=args.attention)
+    if args.compile:
+        from .acceleration import compile
+
+        compile(llm.model)
+    return llm
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -159,6 +164,17 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    parser.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="attention backend: sdpa (default, fast) or eager (transformers' arithmetic to the bit)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile; CUDA graphs on CUDA): minutes to start, faster steps",
+    )
     parser.add_argument(
         "--max-new-tokens", type=int, default=None, help="most tokens per reply (default: 512)"
     )
