@@ -206,3 +206,38 @@ def test_stop_tokens_end_rows_of_a_list_batch(gen_checkpoints):
     first_stop = next((i for i, t in enumerate(free[1][len(requests["d"]) :]) if t == stop), None)
     expected = free[1] if first_stop is None else free[1][: len(requests["d"]) + first_stop + 1]
     assert out[1] == expected
+
+
+def test_prefill_chunks_of_one_length_share_a_forward(gen_checkpoints, monkeypatch):
+    """Three prompts of 6 tokens and one of 3, chunks of 4: the first step runs two forward passes
+    (three 4-token chunks together, the 3-token prompt alone), the second one (three 2-token chunks);
+    each request still gets what it gets alone."""
+    model = torchgemma.load(gen_checkpoints["e4b"], dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    requests = {r: torch.randint(3, 300, (n,), generator=gen).tolist() for r, n in zip("abcd", (6, 6, 3, 6))}
+    shapes = []
+    forward = model.language_model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model.language_model, "forward", spy)
+    engine = Engine(model, max_batch_size=4, max_len=20, prefill_chunk=4)
+    for request, prompt in requests.items():
+        engine.add_request(request, prompt, max_new_tokens=3, **GREEDY)
+    first = engine.step()
+    assert sorted(shapes) == [(1, 3), (3, 4)] and [r for r, _, _ in first] == ["c"]
+    shapes.clear()
+    second = engine.step()
+    assert shapes == [(3, 2), (1, 1)]  # the grouped chunks, then c's first decode step
+    assert sorted(r for r, _, _ in second) == ["a", "b", "c", "d"]
+    together: dict = {r: [] for r in requests}
+    for request, token, _ in first + second:
+        together[request].append(token)
+    while engine.has_unfinished_requests():
+        for request, token, _ in engine.step():
+            together[request].append(token)
+    monkeypatch.undo()
+    for request, prompt in requests.items():
+        assert together[request] == generate(model, [prompt], max_new_tokens=3, **GREEDY)[0][len(prompt) :]

@@ -10,7 +10,8 @@ The names follow vLLM's ``LLMEngine``. Each ``step()``:
 
 1. admits waiting requests into free slots (first come, first served; the rest keep waiting);
 2. runs one prefill chunk (at most ``prefill_chunk`` tokens) of every request still reading its
-   prompt; a request whose prompt is now complete samples its first token;
+   prompt, chunks of one length in one forward pass; a request whose prompt is now complete
+   samples its first token;
 3. runs one decode step over every request that already had a token, all in one forward pass;
 4. frees the slots of finished requests (usable by the next step's admissions).
 
@@ -181,10 +182,13 @@ class Engine:
         outputs = []
         decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
         with torch.inference_mode():
-            for request in [r for r in self._running.values() if not r.decoding]:
-                logits = self._prefill_chunk(request)
-                if logits is not None:
-                    outputs.append(self._emit(request, logits))
+            for group in self._prefill_groups():
+                logits = self._prefill(group)
+                outputs += [
+                    self._emit(request, logits[i : i + 1])
+                    for i, request in enumerate(group)
+                    if request.prefilled == len(request.prompt)
+                ]
             if decoding:
                 logits = self._decode(decoding)
                 outputs += [self._emit(r, logits[i : i + 1]) for i, r in enumerate(decoding)]
@@ -283,12 +287,22 @@ class Engine:
 
     # ── forward passes ───────────────────────────────────────────────────────────────────────
 
-    def _prefill_chunk(self, request: Request) -> torch.Tensor | None:
-        """The next chunk of the request's prompt; float32 logits (1, V) after its last chunk."""
-        model, device = self.model, self.model.device
+    def _prefill_groups(self) -> list[list[Request]]:
+        """The prefilling requests, grouped to share a forward pass: text chunks of one length
+        together (no padding), each request with media alone (its embeddings and image blocks)."""
+        groups: dict[tuple, list[Request]] = {}
+        for request in sorted(self._running.values(), key=lambda r: r.slot):
+            if request.decoding:
+                continue
+            if request.prefilled == 0 and request.media:
+                self._embed_media(request)
+            start, end = self._next_chunk(request)
+            key = ("media", request.slot) if request.embeds is not None else ("text", end - start)
+            groups.setdefault(key, []).append(request)
+        return list(groups.values())
+
+    def _next_chunk(self, request: Request) -> tuple[int, int]:
         length = len(request.prompt)
-        if request.prefilled == 0 and request.media:
-            self._embed_media(request)
         start = request.prefilled
         end = min(length, start + self.prefill_chunk)
         if request.blocks is not None:
@@ -296,22 +310,33 @@ class Engine:
             blocks = request.blocks[0].tolist()
             while end < length and blocks[end] >= 0 and blocks[end] == blocks[end - 1]:
                 end += 1
-        if request.text_ids is None:
-            text_ids = model.text_ids(torch.tensor([request.prompt[start:end]], device=device))
+        return start, end
+
+    def _prefill(self, group: list[Request]) -> torch.Tensor:
+        """The next chunk of each request of a group in one forward: float32 logits (n, V) of each
+        chunk's last token (used by the requests whose prompt that chunk completes)."""
+        model, device = self.model, self.model.device
+        chunks = [self._next_chunk(request) for request in group]
+        first = group[0]
+        if first.embeds is not None:  # a request with media: alone
+            (start, end), embeds = chunks[0], first.embeds
+            text_ids, embeds = first.text_ids[:, start:end], embeds[:, start:end]
+            blocks = None if first.blocks is None else first.blocks[:, start:end]
         else:
-            text_ids = request.text_ids[:, start:end]
+            tokens = [request.prompt[start:end] for request, (start, end) in zip(group, chunks)]
+            text_ids, embeds, blocks = model.text_ids(torch.tensor(tokens, device=device)), None, None
         logits = model.language_model(
             text_ids,
             cache=self.cache,
             keep_last=1,
-            slots=[request.slot],
-            inputs_embeds=None if request.embeds is None else request.embeds[:, start:end],
-            vision_blocks=None if request.blocks is None else request.blocks[:, start:end],
+            slots=[request.slot for request in group],
+            inputs_embeds=embeds,
+            vision_blocks=blocks,
         )
-        request.prefilled = end
-        if end < length:
-            return None
-        request.embeds = request.text_ids = request.blocks = None
+        for request, (_, end) in zip(group, chunks):
+            request.prefilled = end
+            if end == len(request.prompt):
+                request.embeds = request.text_ids = request.blocks = None
         return logits[:, -1].float()
 
     def _embed_media(self, request: Request) -> None:
