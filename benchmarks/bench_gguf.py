@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import machine, speeds, time_torchgemma, time_transformers  # noqa: E402
 
 import torchgemma  # noqa: E402
-from torchgemma.loading import gemma3_270m, resolve_dtype  # noqa: E402
+from torchgemma.weights.loading import resolve_dtype  # noqa: E402
+from torchgemma.weights.source import gemma3_270m  # noqa: E402
 
 PROMPT = (
     "The history of the city begins with a small fishing village on the banks of a wide river. Over "

@@ -3,7 +3,7 @@
 The source is a tiny random transformers model (every parameter randomised, norms and scalars
 included, so that an un-undone `1 + w` or a swapped tensor shows). `write_gguf` plays the part of
 llama.cpp's `convert_hf_to_gguf.py`, written from its conventions and independently of
-`torchgemma.gguf_checkpoint`: its own name table, GGUF metadata keys, Gemma 3 norms stored as `1 + w`,
+`torchgemma.weights.gguf`: its own name table, GGUF metadata keys, Gemma 3 norms stored as `1 + w`,
 Gemma 4's router/per-expert scales and layer scalar under llama.cpp's names, the `rope_freqs` tensor,
 and every matrix quantized. It returns what each Hugging Face tensor must read back as: the values
 written, dequantized by `gguf.quants`, with the `1 + w` removed.

@@ -30,8 +30,8 @@ from gguf.quants import quantize
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_fixtures import GEMMA4_STYLES, random_blocks, random_model, vocab_tokens, write_gguf  # noqa: E402
-from torchgemma.gguf_checkpoint import SUPPORTED_TYPES, GGUFError, dequantize, read_gguf, read_gguf_metadata  # noqa: E402
-from torchgemma.gguf_tokenizer import tokenizer_from_gguf  # noqa: E402
+from torchgemma.tokenizer.gguf import tokenizer_from_gguf  # noqa: E402
+from torchgemma.weights.gguf import SUPPORTED_TYPES, GGUFError, dequantize, read_gguf, read_gguf_metadata  # noqa: E402
 
 LISTED_TYPES = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
@@ -489,7 +489,7 @@ GEMMA3_27B = {
 def test_gemma3_config_follows_llama_cpp_conventions(tmp_path):
     import transformers
 
-    from torchgemma.gguf_checkpoint import _gemma3_config, _GGUFFile
+    from torchgemma.weights.gguf import _gemma3_config, _GGUFFile
 
     config = _gemma3_config(_GGUFFile(_metadata_only(tmp_path / "27b.gguf", "gemma3", **GEMMA3_27B)))
     # llama.cpp scales the 27B's queries by 1/sqrt(hidden/heads) = 1/sqrt(168), not 1/sqrt(head_dim).
@@ -516,7 +516,7 @@ def test_gemma3_config_follows_llama_cpp_conventions(tmp_path):
 
 
 def test_gemma4_needs_its_sliding_pattern(tmp_path):
-    from torchgemma.gguf_checkpoint import _gemma4_config, _GGUFFile
+    from torchgemma.weights.gguf import _gemma4_config, _GGUFFile
 
     keys = {"vocab_size": 300, "block_count": 2, "embedding_length": 64, "attention.head_count": 4, "attention.key_length": 32,
             "feed_forward_length": 96, "attention.sliding_window": 8}  # fmt: skip

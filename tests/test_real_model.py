@@ -13,7 +13,7 @@ pytest.importorskip(
 
 import torchgemma  # noqa: E402
 from torchgemma.generation.generate import generate  # noqa: E402
-from torchgemma.loading import gemma3_270m  # noqa: E402
+from torchgemma.weights.source import gemma3_270m  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

@@ -5,11 +5,11 @@ from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
 from .generation import Engine, generate, stream
 from .llm import LLM
-from .loading import load
 from .model import Gemma
 from .processing import process_audio, process_images
 from .tokenizer import Tokenizer, load_tokenizer
-from .weights import CheckpointError
+from .weights.loading import load
+from .weights.source import CheckpointError
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import ConfigError, ModelConfig
 from .info import describe, format_report
-from .loading import resolve_dtype
+from .weights.loading import resolve_dtype
 
 
 def _config_path(source: str) -> Path:
@@ -18,7 +18,7 @@ def _config_path(source: str) -> Path:
         return path / "config.json"
     if path.is_file():
         return path
-    from .loading import HUB_ID
+    from .weights.source import HUB_ID
 
     if HUB_ID.match(source):
         from huggingface_hub import hf_hub_download

@@ -29,10 +29,11 @@ from typing import Any, Literal
 import torch
 
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
-from .loading import load, resolve_source
 from .processing import MediaTokens, collect_media, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
+from .weights.loading import load
+from .weights.source import resolve_source
 
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512

@@ -29,7 +29,7 @@ from typing import Any
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from torchgemma.chat_template import parse_reply, render_chat_template, select_chat_template
+from .chat_template import parse_reply, render_chat_template, select_chat_template
 
 __all__ = [
     "GEMMA4_TOKENS",
@@ -433,7 +433,7 @@ class StreamDecoder:
 def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
     """Load the tokenizer of a checkpoint folder, a hub repo id (tokenizer files only), a GGUF file
     (built from its vocabulary) or a named model such as ``gemma3-270m``."""
-    from .loading import SHORTCUTS, resolve_source
+    from ..weights.source import SHORTCUTS, resolve_source
 
     if str(path_or_id) in SHORTCUTS or str(path_or_id).endswith(".gguf"):
         return _gguf_tokenizer(resolve_source(str(path_or_id)))
@@ -467,7 +467,7 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
-    from .gguf_tokenizer import tokenizer_from_gguf
+    from .gguf import tokenizer_from_gguf
 
     backend, info = tokenizer_from_gguf(path)
     return Tokenizer(

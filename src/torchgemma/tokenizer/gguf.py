@@ -31,7 +31,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from .gguf_checkpoint import GGUFError, read_gguf_metadata
+from ..weights.gguf import GGUFError, read_gguf_metadata
 
 __all__ = ["GGUFTokenizerInfo", "tokenizer_from_gguf", "tokenizer_from_metadata"]
 
