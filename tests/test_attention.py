@@ -14,6 +14,7 @@ import torch
 
 import torchgemma
 from checkpoints import COMMON, STYLES, randomize_
+from test_parity import padded_batch
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -25,15 +26,6 @@ def transformers_sdpa(folder, dtype):
         folder, dtype=dtype, attn_implementation="sdpa", experts_implementation="eager"
     )
     return model.eval()
-
-
-def padded_batch(seed: int = 0, length: int = 17):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 300, (2, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ids[1, :4] = 0
-    return ids, mask
 
 
 def check(ours: torch.Tensor, theirs: torch.Tensor, dtype, float32_tolerance: float = 0.0):
@@ -52,7 +44,7 @@ def test_sdpa_matches_transformers_sdpa(text_checkpoints, style, dtype):
     ref = transformers_sdpa(folder, dtype)
     model = torchgemma.load(folder, dtype=dtype)
     assert model.attention == "sdpa"  # the default
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(seed=0)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     real = mask.bool()
     with torch.no_grad():

@@ -149,14 +149,13 @@ class Engine:
         ``max_len`` and the model's context leave after the prompt. Media as ``generate`` takes them,
         with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt.
         """
-        media = {
-            "pixel_values": pixel_values,
-            "image_position_ids": image_position_ids,
-            "input_features": input_features,
-            "input_features_mask": input_features_mask,
-            "mm_token_type_ids": mm_token_type_ids,
-        }
-        media = {name: value for name, value in media.items() if value is not None}
+        media = given(
+            pixel_values=pixel_values,
+            image_position_ids=image_position_ids,
+            input_features=input_features,
+            input_features_mask=input_features_mask,
+            mm_token_type_ids=mm_token_type_ids,
+        )
         if "mm_token_type_ids" in media:
             media["mm_token_type_ids"] = media["mm_token_type_ids"].reshape(1, -1)
         self._add(
@@ -368,6 +367,11 @@ class Engine:
         logits = self._compiled(self.cache, tokens, positions.to(device), active.to(device))
         self.cache.advance(slots)
         return logits[slots]
+
+
+def given(**inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The inputs that were passed (not None)."""
+    return {name: value for name, value in inputs.items() if value is not None}
 
 
 def _token_list(input_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:

@@ -26,7 +26,7 @@ from ..cache import KVCache
 from ..model import Gemma
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
-from .engine import DEFAULT_PREFILL_CHUNK, Engine
+from .engine import DEFAULT_PREFILL_CHUNK, Engine, given
 
 
 @dataclass
@@ -141,14 +141,13 @@ def stream(
             f"cache for {cache.num_slots} rows of {cache.max_len} tokens cannot hold "
             f"{batch} rows of {longest} + {max_new_tokens} tokens"
         )
-    media = {
-        "pixel_values": pixel_values,
-        "image_position_ids": image_position_ids,
-        "input_features": input_features,
-        "input_features_mask": input_features_mask,
-        "mm_token_type_ids": mm_token_type_ids,
-    }
-    media = {name: value for name, value in media.items() if value is not None}
+    media = given(
+        pixel_values=pixel_values,
+        image_position_ids=image_position_ids,
+        input_features=input_features,
+        input_features_mask=input_features_mask,
+        mm_token_type_ids=mm_token_type_ids,
+    )
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0

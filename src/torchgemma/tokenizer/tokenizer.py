@@ -31,16 +31,6 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from .chat_template import parse_reply, render_chat_template, select_chat_template
 
-__all__ = [
-    "GEMMA4_TOKENS",
-    "TOKENIZER_FILES",
-    "StreamDecoder",
-    "Tokenizer",
-    "UnknownTokenError",
-    "load_tokenizer",
-    "parse_reply",
-]
-
 # What load_tokenizer fetches from the hub (and reads from a folder).
 TOKENIZER_FILES = (
     "tokenizer.json",
