@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -261,7 +262,86 @@ def build_parser() -> argparse.ArgumentParser:
         "attached to the first user message (before its text) and kept in the conversation",
     )
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible server (chat and text completions, streaming, tools, thinking, "
+        "images, audio, transcription, /metrics, a chat page at /) with continuous batching. Needs the serve "
+        "extra: pip install 'torchgemma[serve]'.",
+    )
+    serve.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    serve.add_argument(
+        "--max-len", type=int, default=4096, help="tokens per request, prompt and reply (default: 4096)"
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, default=64, help="requests queued for a slot before 503s (default: 64)"
+    )
+    serve.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
+    serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    serve.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
+    serve.add_argument("--compile", action="store_true", help="compile the decode step (see generate --help)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model id clients use (default: --model)"
+    )
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    missing = [
+        name for name in ("fastapi", "uvicorn", "prometheus_client", "multipart") if not _importable(name)
+    ]
+    if missing:
+        print(
+            f"torchgemma serve: error: the server needs {', '.join(missing)}: pip install 'torchgemma[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    if args.max_batch_size < 1 or args.max_len < 2 or args.max_waiting < 0:
+        print(
+            "torchgemma serve: error: --max-batch-size >= 1, --max-len >= 2, --max-waiting >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    import uvicorn
+
+    from .serving.app import create_app
+
+    llm = _load_llm(args)
+    name = args.served_model_name or str(args.model)
+    app = create_app(
+        llm,
+        model_name=name,
+        max_batch_size=args.max_batch_size,
+        max_len=args.max_len,
+        max_waiting=args.max_waiting,
+        api_key=args.api_key,
+    )
+    print(
+        f"torchgemma serve: {name} at http://{args.host}:{args.port}/v1 "
+        f"({args.max_batch_size} slots of {args.max_len} tokens; chat page at http://{args.host}:{args.port}/)",
+        flush=True,
+    )
+    # uvicorn stops cleanly on Ctrl-C and SIGTERM (the app's shutdown stops the engine thread), then
+    # re-raises the signal to the handler it found: SIGTERM then ends the process with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,7 @@ from .sampling import SamplingParams, next_token
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 256
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 # A request's multimodal inputs, as transformers' Gemma 4 processor names them.
 MEDIA_INPUTS = (
@@ -47,6 +48,15 @@ MEDIA_INPUTS = (
     "input_features_mask",
     "mm_token_type_ids",
 )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -69,6 +79,8 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # Top log-probabilities to report per token (0: the chosen token's only); None: none.
+    logprobs: int | None = None
 
     @property
     def decoding(self) -> bool:
@@ -113,9 +125,11 @@ class Engine:
             self.generation_config = generation_config
         else:
             self.generation_config = GenerationConfig.from_dict(generation_config or {}, model.config.text)
-        # Unfinished requests by id, and why each request that finished in the last step ended.
+        # Unfinished requests by id, why each request that finished in the last step ended, and the
+        # log-probabilities of the last step's tokens for requests that asked for them.
         self.requests: dict[Hashable, Request] = {}
         self.finished: dict[Hashable, str] = {}
+        self.logprobs: dict[Hashable, TokenLogprobs] = {}
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._compiled = getattr(model, "compiled_decode", None)
@@ -135,6 +149,7 @@ class Engine:
         repetition_penalty: float | None = None,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        logprobs: int | None = None,
         pixel_values: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
         input_features: torch.Tensor | None = None,
@@ -147,7 +162,9 @@ class Engine:
         generation config; ``seed`` gives the request its own generator (else torch's global RNG);
         ``stop_token_ids=None`` means the config's eos ids. ``max_new_tokens`` is cut to what
         ``max_len`` and the model's context leave after the prompt. Media as ``generate`` takes them,
-        with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt.
+        with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt. ``logprobs=n``: after each
+        step, ``engine.logprobs[request_id]`` holds the token's log-probability and the ``n`` most
+        likely tokens' (log-softmax of the model's float32 logits, before any sampling filter).
         """
         media = given(
             pixel_values=pixel_values,
@@ -172,11 +189,13 @@ class Engine:
             seed=seed,
             stop_token_ids=stop_token_ids,
             media=media,
+            logprobs=logprobs,
         )
 
     def step(self) -> list[tuple[Hashable, int, bool]]:
         """Advance every running request by at most one token: ``(request_id, token_id, finished)``."""
         self.finished = {}
+        self.logprobs = {}
         self._admit()
         outputs = []
         decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
@@ -218,6 +237,7 @@ class Engine:
         seed: int | None,
         stop_token_ids: Sequence[int] | None,
         media: dict[str, torch.Tensor] | None = None,
+        logprobs: int | None = None,
         embeds: torch.Tensor | None = None,
         text_ids: torch.Tensor | None = None,
         blocks: torch.Tensor | None = None,
@@ -237,6 +257,10 @@ class Engine:
             max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         if max_new_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"request {request_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}"
+            )
         stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         request = Request(
             request_id=request_id,
@@ -249,6 +273,7 @@ class Engine:
             embeds=embeds,
             text_ids=text_ids,
             blocks=blocks,
+            logprobs=logprobs,
         )
         self.requests[request_id] = request
         self._waiting.append(request)
@@ -273,6 +298,8 @@ class Engine:
         if request.params.repetition_penalty not in (None, 1.0):
             history = torch.tensor([request.prompt + request.output], device=logits.device)
         token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
+        if request.logprobs is not None:
+            self.logprobs[request.request_id] = _logprobs(logits[0], token, request.logprobs)
         request.output.append(token)
         if token in request.stop_token_ids:
             request.finish_reason = "stop"
@@ -367,6 +394,12 @@ class Engine:
         logits = self._compiled(self.cache, tokens, positions.to(device), active.to(device))
         self.cache.advance(slots)
         return logits[slots]
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
 
 
 def given(**inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 SAMPLING_RATE = 16_000
+# The highest rate audio in common use is recorded at; uploads above it are refused.
+MAX_UPLOAD_RATE = 192_000
 MAX_SAMPLES = 30 * SAMPLING_RATE  # longer clips are truncated, as in the reference
 PAD_MULTIPLE = 128  # batch length is rounded up to a multiple of this many samples
 FRAME_LENGTH = 320  # 20 ms
@@ -271,6 +273,20 @@ def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
     if data[:4] in (b"fLaC", b"OggS") or data[:3] == b"ID3" or mpeg_frame:
         return _read_with_soundfile(path)
     raise ValueError(f"unsupported audio file {str(path)!r}: not WAV, FLAC, OGG or MP3")
+
+
+def decode_wav(data: bytes) -> np.ndarray:
+    """WAV file bytes (e.g. an upload) -> mono float64 samples at 16 kHz, ready for ``process_audio``."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file (no RIFF/WAVE header)")
+    try:
+        wave, rate = _parse_wav(data)
+    except (ValueError, struct.error) as error:
+        raise ValueError(f"cannot read WAV data: {error}") from error
+    if rate > MAX_UPLOAD_RATE:
+        # The resampler's filter table grows with the rate ratio: a forged header must not cost gigabytes.
+        raise ValueError(f"WAV sampling rate {rate} Hz is above the {MAX_UPLOAD_RATE} Hz this accepts")
+    return wave if rate == SAMPLING_RATE else resample(wave, rate, SAMPLING_RATE)
 
 
 def _parse_wav(data: bytes) -> tuple[np.ndarray, int]:

@@ -1,0 +1,67 @@
+"""What ``GET /metrics`` reports, in Prometheus' text format (``prometheus_client``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds over which the throughput gauge averages the engine's output.
+THROUGHPUT_WINDOW = 10.0
+
+
+class Metrics:
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("torchgemma_requests_running", "Requests holding a slot", registry=r).set_function(running)
+        Gauge("torchgemma_requests_waiting", "Requests waiting for a slot", registry=r).set_function(waiting)
+        self.requests = Counter(
+            "torchgemma_requests", "Finished requests", ["endpoint", "finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "torchgemma_prompt_tokens", "Prompt tokens of accepted requests", registry=r
+        )
+        self.generation_tokens = Counter("torchgemma_generation_tokens", "Tokens generated", registry=r)
+        self.time_to_first_token = Histogram(
+            "torchgemma_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "torchgemma_engine_step_seconds",
+            "Duration of one engine step (prefill chunks and one decode forward)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        Gauge(
+            "torchgemma_generation_tokens_per_second",
+            f"Tokens generated per second over the last {THROUGHPUT_WINDOW:g} s",
+            registry=r,
+        ).set_function(self._throughput)
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    # Called from the engine thread.
+    def step(self, tokens: int, seconds: float) -> None:
+        self.generation_tokens.inc(tokens)
+        self.step_seconds.observe(seconds)
+        with self._lock:
+            self._recent.append((time.monotonic(), tokens))
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def _throughput(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW:
+                self._recent.popleft()
+            return sum(tokens for _, tokens in self._recent) / THROUGHPUT_WINDOW
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

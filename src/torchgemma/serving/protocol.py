@@ -1,0 +1,121 @@
+"""OpenAI's request shapes, as pydantic models: what the server accepts, checked before any work.
+
+Unknown fields are ignored (clients send vendor extras); known fields of the wrong type are a 400
+naming the field. Fields we accept but cannot honour are refused in ``app.py`` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Model):
+    data: str  # base64
+    format: str = "wav"
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Some clients send the assistant's earlier reasoning back; Gemma's template drops it anyway.
+    reasoning_content: str | None = None
+
+
+class FunctionSpec(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatTemplateKwargs(_Model):
+    enable_thinking: bool | None = None
+
+
+class SamplingFields(_Model):
+    """What chat and text completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False

@@ -1,0 +1,166 @@
+"""The engine in its own thread, fed by asyncio handlers.
+
+    handler ── submit() ──▶ inbox ──▶ engine thread: add_request / abort, step(), tokens
+    handler ◀── asyncio.Queue per request ◀── loop.call_soon_threadsafe(...) ◀──┘
+
+Only the engine thread touches the engine: handlers never wait for a forward pass to end, they put
+their request (or an abort) in the inbox and read their own queue. A request's queue receives one
+``Token`` per generated token, then ``None`` when it finished; an ``Exception`` if it failed.
+The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``submit`` raises
+``Busy`` (the server answers 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from ..generation.engine import Engine, TokenLogprobs
+
+
+class Busy(RuntimeError):
+    """The waiting room is full."""
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    finished: bool
+    finish_reason: str | None  # "stop" or "length" with the last token
+    logprobs: TokenLogprobs | None
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    submitted: float
+    first_token: float | None = None
+    tokens: int = 0
+
+
+class EngineRunner:
+    """Runs ``engine`` on a daemon thread until ``close()``; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 64, metrics: Any = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._subscribers: dict[Hashable, _Subscriber] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the in-flight count
+        self._in_flight = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchgemma-engine", daemon=True)
+        self._thread.start()
+
+    # ── for handlers (event loop thread) ────────────────────────────────────────────────────
+
+    def submit(self, input_ids: list[int], **request: Any) -> tuple[Hashable, asyncio.Queue]:
+        """Queue a request (``Engine.add_request`` arguments); its id and the queue of its tokens."""
+        with self._lock:
+            waiting = self._in_flight - self.engine.max_batch_size
+            if waiting >= self.max_waiting:
+                raise Busy(f"{waiting} requests are waiting for a slot (the limit is {self.max_waiting})")
+            self._in_flight += 1
+        request_id = f"req-{next(self._ids)}"
+        tokens: asyncio.Queue = asyncio.Queue()
+        subscriber = _Subscriber(asyncio.get_running_loop(), tokens, time.perf_counter())
+        self._inbox.put(("add", request_id, input_ids, request, subscriber))
+        return request_id, tokens
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a request (a client went away); its slot is free at the next step."""
+        self._inbox.put(("abort", request_id))
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return max(self._in_flight - self.engine.max_batch_size, 0)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return min(self._in_flight, self.engine.max_batch_size)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # ── the engine thread ────────────────────────────────────────────────────────────────────
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._closed.is_set():
+            # Block for work when idle; otherwise take what arrived and step.
+            self._drain(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the server
+                self._fail_all(error)
+                continue
+            now = time.perf_counter()
+            for request_id, token, finished in outputs:
+                reason = engine.finished.get(request_id)
+                self._deliver(
+                    request_id, Token(token, finished, reason, engine.logprobs.get(request_id)), now
+                )
+            if self.metrics is not None:
+                self.metrics.step(len(outputs), now - started)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                message = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            kind = message[0]
+            if kind == "add":
+                _, request_id, input_ids, request, subscriber = message
+                self._subscribers[request_id] = subscriber
+                try:
+                    self.engine.add_request(request_id, input_ids, **request)
+                except Exception as error:  # noqa: BLE001 - reported to the one request
+                    self._end(request_id, error)
+            elif kind == "abort":
+                _, request_id = message
+                if request_id in self._subscribers:
+                    self.engine.abort_request(request_id)
+                    self._end(request_id, None, notify=False)
+
+    def _deliver(self, request_id: Hashable, token: Token, now: float) -> None:
+        subscriber = self._subscribers.get(request_id)
+        if subscriber is None:
+            return
+        if subscriber.first_token is None:
+            subscriber.first_token = now
+            if self.metrics is not None:
+                self.metrics.first_token(now - subscriber.submitted)
+        subscriber.tokens += 1
+        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, token)
+        if token.finished:
+            self._end(request_id, None)
+
+    def _end(self, request_id: Hashable, error: Exception | None, notify: bool = True) -> None:
+        subscriber = self._subscribers.pop(request_id, None)
+        with self._lock:
+            self._in_flight -= 1
+        if subscriber is not None and notify:
+            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._subscribers):
+            self.engine.abort_request(request_id)
+            self._end(request_id, RuntimeError(f"generation failed: {error}"))
