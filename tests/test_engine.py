@@ -241,3 +241,27 @@ def test_prefill_chunks_of_one_length_share_a_forward(gen_checkpoints, monkeypat
     monkeypatch.undo()
     for request, prompt in requests.items():
         assert together[request] == generate(model, [prompt], max_new_tokens=3, **GREEDY)[0][len(prompt) :]
+
+
+def test_a_request_whose_media_fail_fails_alone(gen_checkpoints, multimodal_checkpoint):
+    """Media that do not fit their prompt fail that request at its prefill; the others go on."""
+    model = torchgemma.load(multimodal_checkpoint, dtype=torch.float32)
+    vision = model.config.vision_config
+    patches = torch.rand(1, 16, 3 * vision.patch_size**2)
+    positions = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(
+        1, 16, 2
+    )
+    engine = Engine(model, max_batch_size=2, max_len=40)
+    engine.add_request("good", [5, 6, 7, 8], max_new_tokens=3, **GREEDY)
+    # An image but no image placeholders in the prompt: the soft tokens have nowhere to go.
+    engine.add_request(
+        "bad", [5, 6, 7], max_new_tokens=3, pixel_values=patches, image_position_ids=positions, **GREEDY
+    )
+    first = engine.step()
+    assert [r for r, _, _ in first] == ["good"] and set(engine.failed) == {"bad"}
+    assert "placeholder" in str(engine.failed["bad"])
+    tokens = [t for _, t, _ in first]
+    while engine.has_unfinished_requests():
+        tokens += [t for _, t, _ in engine.step()]
+    assert tokens == generate(model, [[5, 6, 7, 8]], max_new_tokens=3, **GREEDY)[0][4:]
+    assert engine.cache.lengths == [0, 0]

@@ -27,6 +27,7 @@ from PIL import Image
 
 from serving_fixtures import ScriptedEngine, running_server
 from test_llm import build_llm_checkpoint, llm_checkpoint  # noqa: F401  (the session fixture)
+from torchgemma.generation.constraints import JSONPrefix
 from torchgemma.llm import LLM
 from torchgemma.serving.app import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS, create_app
 from torchgemma.serving.parsing import parse_reply
@@ -154,6 +155,12 @@ def test_completions(llm, client):
     ids = llm.encode(prompt)
     by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
     assert by_ids.choices[0].text == expected and by_ids.usage.prompt_tokens == len(ids)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True)
+    assert echoed.choices[0].text == prompt + expected
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=8, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == prompt + expected
 
 
 def test_stop_strings_cut_without_leaking(client):
@@ -176,6 +183,30 @@ def test_stop_strings_cut_without_leaking(client):
     ]
     assert "".join(pieces) == response.choices[0].message.content
     assert not any(stop in piece for piece in pieces)
+
+
+def test_json_object_replies_are_json(client):
+    """response_format json_object: every token keeps the reply a JSON object; even a tiny random
+    model, which writes no JSON on its own, answers with one."""
+    free = client.chat.completions.create(
+        model=MODEL, messages=user(PROMPTS[4]), temperature=0, max_tokens=30
+    )
+    assert not free.choices[0].message.content.lstrip().startswith("{")
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=user(PROMPTS[4]),
+            max_tokens=120,
+            response_format={"type": "json_object"},
+            **sampling,
+        )
+        content = response.choices[0].message.content
+        prefix = JSONPrefix()
+        assert prefix.feed_all(content.encode()), content
+        if response.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:  # cut at max_tokens: still a valid prefix of an object
+            assert response.choices[0].finish_reason == "length" and content.startswith("{")
 
 
 def test_seeded_sampling_repeats_and_logprobs(client):

@@ -39,6 +39,8 @@ from .sampling import SamplingParams, next_token
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+# Refused draws of a constrained request before a full scan of the vocabulary.
+MAX_REDRAWS = 256
 
 # A request's multimodal inputs, as transformers' Gemma 4 processor names them.
 MEDIA_INPUTS = (
@@ -81,6 +83,8 @@ class Request:
     finish_reason: str | None = None
     # Top log-probabilities to report per token (0: the chosen token's only); None: none.
     logprobs: int | None = None
+    # Decides which tokens may come next (see generation/constraints.py); None: any.
+    constraint: Any = None
 
     @property
     def decoding(self) -> bool:
@@ -130,6 +134,9 @@ class Engine:
         self.requests: dict[Hashable, Request] = {}
         self.finished: dict[Hashable, str] = {}
         self.logprobs: dict[Hashable, TokenLogprobs] = {}
+        # Requests whose own inputs failed in the last step (e.g. media that do not fit their
+        # placeholders), and the error: they are dropped, the others go on.
+        self.failed: dict[Hashable, Exception] = {}
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._compiled = getattr(model, "compiled_decode", None)
@@ -150,6 +157,7 @@ class Engine:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
+        constraint: Any = None,
         pixel_values: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
         input_features: torch.Tensor | None = None,
@@ -165,6 +173,8 @@ class Engine:
         with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt. ``logprobs=n``: after each
         step, ``engine.logprobs[request_id]`` holds the token's log-probability and the ``n`` most
         likely tokens' (log-softmax of the model's float32 logits, before any sampling filter).
+        ``constraint`` (e.g. ``constraints.JSONObject``) vetoes tokens: a refused draw is masked and
+        drawn again.
         """
         media = given(
             pixel_values=pixel_values,
@@ -190,23 +200,25 @@ class Engine:
             stop_token_ids=stop_token_ids,
             media=media,
             logprobs=logprobs,
+            constraint=constraint,
         )
 
     def step(self) -> list[tuple[Hashable, int, bool]]:
         """Advance every running request by at most one token: ``(request_id, token_id, finished)``."""
         self.finished = {}
         self.logprobs = {}
+        self.failed = {}
         self._admit()
         outputs = []
         decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
         with torch.inference_mode():
             for group in self._prefill_groups():
-                logits = self._prefill(group)
-                outputs += [
-                    self._emit(request, logits[i : i + 1])
-                    for i, request in enumerate(group)
-                    if request.prefilled == len(request.prompt)
-                ]
+                for members, logits in self._prefill_isolated(group):
+                    outputs += [
+                        self._emit(request, logits[i : i + 1])
+                        for i, request in enumerate(members)
+                        if request.prefilled == len(request.prompt)
+                    ]
             if decoding:
                 logits = self._decode(decoding)
                 outputs += [self._emit(r, logits[i : i + 1]) for i, r in enumerate(decoding)]
@@ -238,6 +250,7 @@ class Engine:
         stop_token_ids: Sequence[int] | None,
         media: dict[str, torch.Tensor] | None = None,
         logprobs: int | None = None,
+        constraint: Any = None,
         embeds: torch.Tensor | None = None,
         text_ids: torch.Tensor | None = None,
         blocks: torch.Tensor | None = None,
@@ -274,6 +287,7 @@ class Engine:
             text_ids=text_ids,
             blocks=blocks,
             logprobs=logprobs,
+            constraint=constraint,
         )
         self.requests[request_id] = request
         self._waiting.append(request)
@@ -292,16 +306,41 @@ class Engine:
         request.embeds = request.text_ids = request.blocks = None
         request.media = {}
 
+    def _constrained(self, request: Request, logits: torch.Tensor, token: int, history) -> int:
+        """The draw again and again, refused tokens masked, until the constraint accepts one."""
+        constraint = request.constraint
+        masked = None
+        for _ in range(MAX_REDRAWS):
+            if constraint.allows(token):
+                break
+            masked = logits.clone() if masked is None else masked
+            masked[0, token] = float("-inf")
+            if torch.isinf(masked).all():
+                break
+            token = int(next_token(masked, request.params, generator=request.generator, history=history)[0])
+        else:
+            # Past the cap (a model far from the format): the most likely allowed token, by a full scan.
+            allowed = [t for t in torch.argsort(logits[0], descending=True).tolist() if constraint.allows(t)]
+            token = allowed[0] if allowed else token
+        if constraint.allows(token):
+            constraint.advance(token)
+        else:
+            # Nothing is allowed (e.g. the object is complete and no stop token exists): end here.
+            request.finish_reason = "stop"
+        return token
+
     def _emit(self, request: Request, logits: torch.Tensor) -> tuple[Hashable, int, bool]:
         """Pick the request's next token from its logits (1, V) and record it."""
         history = None
         if request.params.repetition_penalty not in (None, 1.0):
             history = torch.tensor([request.prompt + request.output], device=logits.device)
         token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
+        if request.constraint is not None:
+            token = self._constrained(request, logits, token, history)
         if request.logprobs is not None:
             self.logprobs[request.request_id] = _logprobs(logits[0], token, request.logprobs)
         request.output.append(token)
-        if token in request.stop_token_ids:
+        if request.finish_reason is not None or token in request.stop_token_ids:
             request.finish_reason = "stop"
         elif len(request.output) >= request.max_new_tokens:
             request.finish_reason = "length"
@@ -321,11 +360,34 @@ class Engine:
             if request.decoding:
                 continue
             if request.prefilled == 0 and request.media:
-                self._embed_media(request)
+                try:
+                    self._embed_media(request)
+                except Exception as error:  # noqa: BLE001 - this request's own inputs: it alone fails
+                    self._fail(request, error)
+                    continue
             start, end = self._next_chunk(request)
             key = ("media", request.slot) if request.embeds is not None else ("text", end - start)
             groups.setdefault(key, []).append(request)
         return list(groups.values())
+
+    def _prefill_isolated(self, group: list[Request]) -> list[tuple[list[Request], torch.Tensor]]:
+        """Prefill a group; if its forward fails, its members fail (and only they).
+
+        What depends on one request's inputs (media embedding) runs alone before this and fails
+        alone; a shared text forward only fails for reasons that are nobody's input. A failed
+        forward may have overwritten ring columns, so its members cannot simply retry.
+        """
+        try:
+            return [(group, self._prefill(group))]
+        except Exception as error:  # noqa: BLE001 - reported per request
+            for request in group:
+                self._fail(request, error)
+            return []
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self._release(request)
+        del self.requests[request.request_id]
+        self.failed[request.request_id] = error
 
     def _next_chunk(self, request: Request) -> tuple[int, int]:
         length = len(request.prompt)

@@ -34,6 +34,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..generation.constraints import JSONObject
 from ..generation.engine import Engine
 from ..llm import LLM
 from ..processing.audio import decode_wav
@@ -85,6 +86,8 @@ class Prepared:
     logprobs: bool = False
     # Raw text (completions): no reply parsing, special tokens kept as the model wrote them.
     raw: bool = False
+    # completions with echo: the prompt's text, given back before the completion.
+    echo: str = ""
 
 
 @dataclass
@@ -266,6 +269,11 @@ def create_app(
         max_tokens = body.max_completion_tokens or body.max_tokens
         engine_args = sampling_args(body, len(ids), max_tokens, chat_stops)
         engine_args.update(media)
+        if body.response_format is not None and body.response_format.type == "json_object":
+            if prefix:
+                raise bad_request("a JSON object reply cannot also be a forced tool call", "response_format")
+            # Every token must keep the reply a valid prefix of a JSON object (generation/constraints.py).
+            engine_args["constraint"] = JSONObject(tokenizer.token_bytes, chat_stops)
         if body.logprobs:
             engine_args["logprobs"] = body.top_logprobs or 0
         return Prepared(
@@ -350,6 +358,8 @@ def create_app(
         prepared = Prepared(
             ids, engine_args, stop_list(body.stop), logprobs=body.logprobs is not None, raw=True
         )
+        if body.echo:
+            prepared.echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(ids)
         return await respond(request, body, prepared, chat=False)
 
     # ── transcription ────────────────────────────────────────────────────────────────────────
@@ -419,8 +429,6 @@ def create_app(
             raise bad_request(
                 "response_format json_schema is not enforced here; use json_object", "response_format"
             )
-        if response_format is not None and response_format.type == "json_object":
-            raise bad_request("response_format json_object is not supported yet", "response_format")
 
     def sampling_args(body, prompt_len: int, max_tokens: int | None, stop_ids) -> dict[str, Any]:
         room = min(max_len, config.text.max_position_embeddings) - prompt_len
@@ -594,7 +602,7 @@ def create_app(
     def completion_response(outcome: Outcome, prepared: Prepared) -> dict:
         choice = {
             "index": 0,
-            "text": "".join(outcome.content),
+            "text": prepared.echo + "".join(outcome.content),
             "logprobs": completion_logprobs(outcome.logprobs) if prepared.logprobs else None,
             "finish_reason": outcome.finish_reason,
         }
@@ -643,7 +651,7 @@ def create_app(
         events = generate(request, prepared)
         # Start generating before the response begins, so that a refused request is a plain error.
         first = await anext(events)
-        yield chunk({"role": "assistant", "content": ""}) if chat else ""
+        yield chunk({"role": "assistant", "content": ""}) if chat else chunk({"content": prepared.echo})
         pending = [first]
         outcome_tokens, finish = 0, "stop"
         endpoint = "chat" if chat else "completion"

@@ -111,6 +111,8 @@ class EngineRunner:
                 self._fail_all(error)
                 continue
             now = time.perf_counter()
+            for request_id, error in getattr(engine, "failed", {}).items():
+                self._end(request_id, error)
             for request_id, token, finished in outputs:
                 reason = engine.finished.get(request_id)
                 self._deliver(

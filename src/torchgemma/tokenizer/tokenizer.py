@@ -19,6 +19,7 @@ builds for the same files, because ids must match the reference exactly:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -213,6 +214,25 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in generated text, None for special tokens (for constrained decoding).
+
+        Gemma pieces write a space as "▁" and unknown bytes as byte-fallback pieces ``<0xNN>``; added
+        tokens that are not special are their own text. Read from the vocabulary, not by decoding
+        ids one at a time (a lone byte piece decodes to U+FFFD).
+        """
+        table: list[bytes | None] = []
+        for i in range(self.vocab_size):
+            piece = self.backend.id_to_token(i)
+            if piece is None or i in self.special_ids:
+                table.append(None)
+            elif i in self.byte_ids:
+                table.append(bytes([int(piece[3:5], 16)]))
+            else:
+                table.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return table
 
     @property
     def add_bos(self) -> bool:
