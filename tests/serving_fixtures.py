@@ -56,6 +56,8 @@ class ScriptedEngine:
         self.finished: dict = {}
         self.logprobs: dict = {}
         self.step_delay = 0.0
+        self.fail_at_step: int | None = None  # raise inside step number N (counting from 1)
+        self._steps = 0
         self._queue: deque = deque()
         self._running: dict = {}
 
@@ -79,6 +81,9 @@ class ScriptedEngine:
     def step(self) -> list:
         if self.step_delay:
             time.sleep(self.step_delay)
+        self._steps += 1
+        if self._steps == self.fail_at_step:
+            raise RuntimeError("the scripted step failed")
         self.finished, self.logprobs = {}, {}
         while self._queue and len(self._running) < self.max_batch_size:
             request_id = self._queue.popleft()

@@ -308,6 +308,7 @@ def test_api_key(llm):
         wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and error_of(wrong)["type"] == "authentication_error"
         assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/favicon.ico").status_code == 204
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
         assert keyed.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=2).choices
 
@@ -444,6 +445,22 @@ def test_tools_and_thinking_reach_the_template(scripted, llm):
     assert "<|think|>" in llm.tokenizer.decode(engine.prompts[-1])
     client.chat.completions.create(model=MODEL, messages=user("Hi"), reasoning_effort="none")
     assert "<|think|>" not in llm.tokenizer.decode(engine.prompts[-1])
+
+
+def test_a_failure_mid_stream_is_an_error_event(scripted, server):
+    """After the response has begun, a failed step reaches the client as an error chunk and [DONE]."""
+    client, engine = scripted
+    engine.replies.append("one two three four five six seven")
+    engine.fail_at_step = 3
+    url = str(client.base_url).rstrip("/")
+    body = {"messages": user("Hi"), "stream": True}
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "the scripted step failed" in error["message"]
+    assert httpx.get(f"{server}/favicon.ico").status_code == 204
 
 
 def test_forced_tool_call_is_parsed(scripted):
@@ -585,3 +602,36 @@ def test_serve_without_the_extra_is_a_clear_error(monkeypatch, capsys, llm_check
     monkeypatch.setattr(cli, "_importable", lambda name: name != "fastapi")
     assert cli.main(["serve", "--model", str(llm_checkpoint)]) == 2
     assert "pip install 'torchgemma[serve]'" in capsys.readouterr().err
+
+
+# ── the real model ───────────────────────────────────────────────────────────────────────────
+
+
+def test_real_gemma3_270m_serves_concurrent_completions():
+    """The real Gemma 3 270M (the Q4_K_M GGUF, dequantized to float32): four streams of different
+    lengths at once, each equal to its request alone and to the library's greedy continuation."""
+    llm = LLM("gemma3-270m")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+    lengths = [6, 10, 3, 8]
+    with running_server(create_app(llm, model_name="gemma3-270m", max_batch_size=4, max_len=64)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        solo = [
+            client.completions.create(model="gemma3-270m", prompt=p, temperature=0, max_tokens=n)
+            .choices[0]
+            .text
+            for p, n in zip(prompts, lengths)
+        ]
+        assert solo[0] == llm.generate(prompts[0], temperature=0, max_new_tokens=6, stop_token_ids=[])
+
+        async def together():
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as aclient:
+
+                async def one(prompt, n):
+                    stream = await aclient.completions.create(
+                        model="gemma3-270m", prompt=prompt, temperature=0, max_tokens=n, stream=True
+                    )
+                    return "".join([c.choices[0].text async for c in stream])
+
+                return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+
+        assert asyncio.run(together()) == solo

@@ -176,7 +176,7 @@ def create_app(
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
         # The health check and the (static) chat page stay open; the page sends the key itself.
-        open_paths = ("/health", "/")
+        open_paths = ("/health", "/", "/favicon.ico")
         given = request.headers.get("authorization", "")
         if (
             api_key is not None
@@ -200,6 +200,10 @@ def create_app(
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/favicon.ico")
+    async def favicon():
+        return Response(status_code=204)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():
@@ -655,18 +659,33 @@ def create_app(
         pending = [first]
         outcome_tokens, finish = 0, "stop"
         endpoint = "chat" if chat else "completion"
-        async for event in _chain(pending, events):
-            name, value = event
-            if name == "content":
-                yield chunk({"content": value})
-            elif name == "reasoning":
-                yield chunk({"reasoning_content": value})
-            elif name == "tool_call":
-                yield chunk({"tool_calls": [value]})
-            elif name == "logprob":
-                yield chunk({}, logprobs={"content": [value]} if chat else completion_logprobs([value]))
-            elif name == "finish":
-                finish, outcome_tokens = value
+        try:
+            async for event in _chain(pending, events):
+                name, value = event
+                if name == "content":
+                    yield chunk({"content": value})
+                elif name == "reasoning":
+                    yield chunk({"reasoning_content": value})
+                elif name == "tool_call":
+                    yield chunk({"tool_calls": [value]})
+                elif name == "logprob":
+                    yield chunk({}, logprobs={"content": [value]} if chat else completion_logprobs([value]))
+                elif name == "finish":
+                    finish, outcome_tokens = value
+        except APIError as error:
+            # The response has begun: the error goes in the stream, as OpenAI's API sends it.
+            metrics.requests.labels(endpoint, "error").inc()
+            body = {
+                "error": {
+                    "message": error.message,
+                    "type": "server_error",
+                    "param": error.param,
+                    "code": error.code,
+                }
+            }
+            yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         metrics.requests.labels(endpoint, finish).inc()
         yield chunk({}, finish)
         if include_usage:
