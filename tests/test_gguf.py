@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -546,6 +547,38 @@ def test_tokenizer_matches_transformers(synthetic, name):
     assert info.add_bos == theirs.add_bos_token == (name == "gemma3")
     assert (info.bos_id, info.eos_id, info.pad_id, info.unk_id) == (2, 1, 0, 3)
     assert info.chat_template == theirs.chat_template
+
+
+def test_built_tokenizer_is_cached_per_file(synthetic, tmp_path, monkeypatch):
+    """The second load reads the cache (no rebuild) and tokenizes the same; a changed file, or a
+    damaged cache entry, is built again."""
+    import shutil
+
+    import torchgemma.tokenizer.gguf as gguf_tokenizer
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(synthetic("gemma3")[0], path)
+    cache = tmp_path / "cache"
+    built, info = gguf_tokenizer.cached_tokenizer_from_gguf(path, cache)
+    text = "Hello <|turn>world  <h1>\n x"
+    builds = []
+    real_build = gguf_tokenizer.tokenizer_from_gguf
+    monkeypatch.setattr(gguf_tokenizer, "tokenizer_from_gguf", lambda p: builds.append(p) or real_build(p))
+    cached, cached_info = gguf_tokenizer.cached_tokenizer_from_gguf(path, cache)
+    assert builds == [] and cached_info == info
+    assert cached.encode(text).ids == built.encode(text).ids
+    assert cached.decode(built.encode(text).ids) == built.decode(built.encode(text).ids)
+    os.utime(path, ns=(0, 12345))  # the file changed: a new key
+    gguf_tokenizer.cached_tokenizer_from_gguf(path, cache)
+    assert len(builds) == 1
+    (entry,) = [
+        e
+        for e in cache.iterdir()
+        if e.stat().st_mtime_ns == max(f.stat().st_mtime_ns for f in cache.iterdir())
+    ]
+    entry.write_text("{not json")
+    again, _ = gguf_tokenizer.cached_tokenizer_from_gguf(path, cache)
+    assert len(builds) == 2 and again.encode(text).ids == built.encode(text).ids
 
 
 def test_tokenizer_spaces_and_special_tokens(synthetic):

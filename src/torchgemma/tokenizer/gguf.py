@@ -24,6 +24,10 @@ Decode with ``skip_special_tokens=False`` to match ``transformers``' default ``d
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,15 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from ..weights.gguf import GGUFError, read_gguf_metadata
 
-__all__ = ["GGUFTokenizerInfo", "tokenizer_from_gguf", "tokenizer_from_metadata"]
+__all__ = [
+    "GGUFTokenizerInfo",
+    "cached_tokenizer_from_gguf",
+    "tokenizer_from_gguf",
+    "tokenizer_from_metadata",
+]
+
+# Bump when what is built (or how) changes: older cache entries are then ignored.
+_CACHE_VERSION = 1
 
 # llama.cpp token types (gguf.TokenType); BYTE tokens (<0x0A>) are plain vocabulary for byte fallback.
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -63,6 +75,44 @@ def tokenizer_from_gguf(path: str | Path) -> tuple[Tokenizer, GGUFTokenizerInfo]
     """The tokenizer of a Gemma GGUF file, and its special ids, BOS/EOS flags and chat template."""
     path = Path(path)
     return tokenizer_from_metadata(read_gguf_metadata(path), source=path.name)
+
+
+def cached_tokenizer_from_gguf(
+    path: str | Path, cache_dir: Path | None = None
+) -> tuple[Tokenizer, GGUFTokenizerInfo]:
+    """``tokenizer_from_gguf``, built once per file and then read back from a cache.
+
+    Deriving a SentencePiece vocabulary's merges takes seconds (9.5 s for Gemma 3's 262144 tokens):
+    the built tokenizer.json and its info are kept under ``~/.cache/torchgemma/gguf-tokenizers``
+    (``$XDG_CACHE_HOME`` respected), keyed by the file's path, size and modification time. A cache
+    that cannot be read or written is skipped, never trusted half-written.
+    """
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
+        :32
+    ]
+    folder = (
+        cache_dir
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchgemma" / "gguf-tokenizers"
+    )
+    entry = folder / f"{key}.json"
+    try:
+        saved = json.loads(entry.read_text(encoding="utf-8"))
+        return Tokenizer.from_str(saved["tokenizer"]), GGUFTokenizerInfo(**saved["info"])
+    except Exception:  # noqa: BLE001 - a missing, stale or damaged entry is rebuilt
+        pass
+    tokenizer, info = tokenizer_from_gguf(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = entry.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(
+            json.dumps({"tokenizer": tokenizer.to_str(), "info": dataclasses.asdict(info)}), encoding="utf-8"
+        )
+        os.replace(partial, entry)  # atomic: readers see the whole entry or none
+    except OSError:
+        pass
+    return tokenizer, info
 
 
 def tokenizer_from_metadata(

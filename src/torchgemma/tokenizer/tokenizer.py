@@ -477,9 +477,9 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
-    from .gguf import tokenizer_from_gguf
+    from .gguf import cached_tokenizer_from_gguf
 
-    backend, info = tokenizer_from_gguf(path)
+    backend, info = cached_tokenizer_from_gguf(path)
     return Tokenizer(
         backend,
         bos_id=info.bos_id,
