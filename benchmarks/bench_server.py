@@ -9,20 +9,23 @@ sends `--requests` streaming `/v1/completions` requests one after another (the s
 prompt, greedy, `--max-tokens` new tokens). Reported per server and N: aggregate output tok/s
 (all generated tokens / wall time of the whole load), time to first token p50 and p99, and
 requests per second. Generated tokens are counted by re-tokenizing each reply with the model's
-tokenizer, the same way for both servers. The servers run one after the other on the same machine,
-each with the same torch/llama.cpp thread count; the load average is printed. Timings are
+tokenizer, the same way for both servers. Both servers are up at once (each idle while the other is
+timed) with the same thread count; within each round they take turns at every client count, and the
+figures are medians over the rounds; the load average is printed. Timings are
 measurements, never test assertions.
 
 The peer is llama-cpp-python's server (`python -m llama_cpp.server`) when `--peer-python` names a
 Python that has it (`pip install "llama-cpp-python[server]"`, best in its own venv), or a
 `llama-server` binary given with `--peer-llama-server`. llama-cpp-python's server decodes one
-request at a time; llama-server with `--parallel N` batches them.
+request at a time (run with `--interrupt_requests False`, so that a new request waits instead of
+cutting off the one being streamed); llama-server with `--parallel N` batches them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,13 +57,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_up(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+def wait_until_up(url: str, process: subprocess.Popen, log: str, timeout: float = 600) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+            tail = Path(log).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"server exited with {process.returncode} (log {log}): {tail}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return
@@ -117,31 +122,63 @@ async def load(url: str, model: str, clients: int, requests: int, max_tokens: in
     }
 
 
-def run_server(name: str, command: list[str], url: str, args, count) -> list[dict]:
-    print(f"starting {name}: {' '.join(command)}", file=sys.stderr)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        wait_until_up(url, process)
-        model = _model_id(url)
-        asyncio.run(load(url, model, 1, 1, 8, count))  # warm-up
-        rows = []
-        for clients in args.clients:
-            row = asyncio.run(load(url, model, clients, args.requests, args.max_tokens, count))
-            row["server"] = name
-            rows.append(row)
-            print(
-                f"{name:28} {clients:3d} clients: {row['output_tok_s']:7.1f} tok/s, "
-                f"TTFT p50 {row['ttft_p50_s']:.2f} s, p99 {row['ttft_p99_s']:.2f} s",
-                file=sys.stderr,
-            )
-        return rows
-    finally:
-        process.terminate()
+class Server:
+    """One server process, started and torn down around the whole benchmark."""
+
+    def __init__(self, name: str, command: list[str], port: int, threads: int):
+        self.name, self.command, self.url = name, command, f"http://127.0.0.1:{port}"
+        self.threads = threads
+        self.process: subprocess.Popen | None = None
+        self.model = ""
+
+    def __enter__(self) -> Server:
+        print(f"starting {self.name}: {' '.join(self.command)}", file=sys.stderr)
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        # The server's log goes to a file: a pipe nobody reads fills up and stalls the server.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_server_", suffix=".log", delete=False)
+        self.process = subprocess.Popen(
+            self.command, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        wait_until_up(self.url, self.process, self.log.name)
+        self.model = _model_id(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
         try:
-            process.wait(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            self.process.kill()
+        self.log.close()
+        print(f"{self.name}'s log: {self.log.name}", file=sys.stderr)
+
+
+def measure(servers: list[Server], args, count) -> list[dict]:
+    """Round r, client count N, server S: the servers take turns within each round, so slow drift
+    in the machine's load falls on both; each figure is the median over the rounds."""
+    for server in servers:
+        asyncio.run(load(server.url, server.model, 1, 1, 8, count))  # warm-up
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for clients in args.clients:
+            for server in servers:
+                row = asyncio.run(
+                    load(server.url, server.model, clients, args.requests, args.max_tokens, count)
+                )
+                runs.setdefault((server.name, clients), []).append(row)
+                print(
+                    f"round {round_ + 1}: {server.name:28} {clients:3d} clients: {row['output_tok_s']:7.1f} tok/s, "
+                    f"TTFT p50 {row['ttft_p50_s']:.2f} s, p99 {row['ttft_p99_s']:.2f} s, load {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                )
+    rows = []
+    for (name, clients), samples in runs.items():
+        row = {"server": name, "clients": clients, "rounds": len(samples)}
+        for key in ("output_tok_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "wall_seconds"):
+            row[key] = statistics.median(sample[key] for sample in samples)
+        row["output_tokens"] = [sample["output_tokens"] for sample in samples]
+        rows.append(row)
+    return rows
 
 
 def _model_id(url: str) -> str:
@@ -156,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are medians")
     parser.add_argument("--dtype", default="fp32", help="torchgemma's dtype for the dequantized weights")
     parser.add_argument("--peer-python", default=None, help="a Python with llama_cpp.server")
     parser.add_argument("--peer-llama-server", default=None, help="a llama-server binary")
@@ -174,14 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    rows = []
     port = free_port()
     ours = [
         sys.executable, "-m", "torchgemma.cli", "serve", "--model", "gemma3-270m", "--port", str(port),
         "--max-batch-size", str(largest), "--max-len", "512", "--max-waiting", str(4 * largest),
         "--dtype", args.dtype,
     ]  # fmt: skip
-    rows += run_server(f"torchgemma ({args.dtype})", ours, f"http://127.0.0.1:{port}", args, count)
+    servers = [Server(f"torchgemma ({args.dtype})", ours, port, args.threads)]
     peer = None
     if args.peer_llama_server:
         port = free_port()
@@ -224,14 +261,21 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.threads),
                     "--n_ctx",
                     "2048",
+                    # By default a new request interrupts the one being streamed; queue them instead.
+                    "--interrupt_requests",
+                    "False",
                 ],  # fmt: skip
                 port,
             )
     if peer is not None:
         name, command, port = peer
-        rows += run_server(name, command, f"http://127.0.0.1:{port}", args, count)
+        servers.append(Server(name, command, port, args.threads))
     else:
         print("no llama.cpp server found: timing torchgemma alone (see --peer-python)", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        rows = measure(servers, args, count)
 
     info = machine()
     info["torch_threads"] = args.threads
@@ -241,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"gemma3-270m (Q4_K_M GGUF), /v1/completions streaming, prompt {count(PROMPT)} tokens, "
-        f"{args.max_tokens} new tokens (greedy), {args.requests} requests per client\n"
+        f"{args.max_tokens} new tokens (greedy), {args.requests} requests per client, "
+        f"median of {args.rounds} interleaved rounds\n"
     )
     header = f"{'server':28} {'clients':>7} {'output tok/s':>13} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9}"
     print(header)
