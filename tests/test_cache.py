@@ -250,3 +250,68 @@ def test_static_decode_step_matches_the_cached_forward(text_checkpoints, style):
                     for (k0, v0), (k1, v1) in zip(idle_before, after)
                 )
     assert static.lengths == reference.lengths
+
+
+@pytest.mark.parametrize("style", ["e2b", "31b"])
+def test_a_growing_cache_equals_a_preallocated_one(text_checkpoints, style, monkeypatch):
+    """preallocate=False: the full layers' buffers start small and grow (here in steps of 4 columns)
+    as the sequences do; the logits are those of the whole preallocated cache, to the bit, and the
+    buffers end far below max_len."""
+    monkeypatch.setattr(torchgemma.cache, "GROWTH_QUANTUM", 4)
+    model = torchgemma.load(text_checkpoints[style], attention="eager")
+    ids, mask = batch(30, seed=3)
+    chunks = CHUNKINGS["mixed-chunks"]
+    whole, _ = run_in_chunks(model, ids, mask, chunks, max_len=4096)
+    cache = model.make_cache(2, 4096, preallocate=False)
+    assert cache.capacity == 4
+    out, start, capacities = [], 0, []
+    with torch.no_grad():
+        for size in chunks:
+            piece = slice(start, start + size)
+            out.append(model(ids[:, piece], attention_mask=mask[:, piece], cache=cache))
+            capacities.append(cache.capacity)
+            start += size
+    assert torch.equal(torch.cat(out, 1), whole)
+    # The rule: when row 0 (no padding) reaches n > capacity tokens, grow to max(n, 2 x capacity)
+    # rounded up to the quantum. Row 0 holds 3, 12, 14, 15, 16, 22, 26, 27, 30 tokens after each call.
+    assert capacities == [4, 12, 24, 24, 24, 24, 48, 48, 48], capacities
+    full = [c for c in cache.layers if isinstance(c, FullLayerCache)]
+    assert full and all(c.keys.shape[2] == 48 for c in full)
+
+
+def test_generate_allocates_for_the_tokens_it_makes(text_checkpoints, monkeypatch):
+    """max_new_tokens=10**9 once allocated the whole context for every row; now the full layers
+    hold one growth quantum until the sequence needs more."""
+    import importlib
+
+    generate_module = importlib.import_module("torchgemma.generation.generate")
+
+    engines = []
+
+    class Recording(generate_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(generate_module, "Engine", Recording)
+    model = torchgemma.load(text_checkpoints["31b"], attention="eager")
+    context = model.config.text.max_position_embeddings
+    steps = torchgemma.stream(model, [[5, 6, 7]], max_new_tokens=10**9, stop_token_ids=[])
+    for _ in range(3):
+        next(steps)
+    (engine,) = engines
+    assert engine.max_len == context  # the budget is the whole context ...
+    cache = engine.cache
+    assert cache.capacity == torchgemma.cache.GROWTH_QUANTUM < context  # ... the memory is not
+    whole = model.make_cache(1, context)
+    assert cache.nbytes < whole.nbytes / 4, (cache.nbytes, whole.nbytes)
+
+
+def test_a_compiled_step_needs_the_whole_cache(text_checkpoints):
+    model = torchgemma.load(text_checkpoints["e2b"])
+    cache = model.make_cache(2, 4096, preallocate=False)
+    with pytest.raises(RuntimeError, match="reserve"):
+        cache.decode_step(torch.tensor([0, 0]), torch.tensor([True, True]))
+    cache.reserve(cache.max_len)
+    assert cache.capacity == 4096
+    cache.decode_step(torch.tensor([0, 0]), torch.tensor([True, True]))

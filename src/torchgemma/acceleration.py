@@ -52,6 +52,7 @@ class CompiledDecode:
     def __call__(
         self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor
     ) -> torch.Tensor:
+        cache.reserve(cache.max_len)  # the static step reads every column; a no-op once whole
         if self.cuda_graphs:
             if cache not in self._static:
                 # The graphs write into the cache in place: its buffers must keep their addresses.

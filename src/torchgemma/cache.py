@@ -6,7 +6,10 @@ is skipped). A slot can be freed and reused at once, and its last tokens can be 
 
 Per layer, for ``S`` slots:
 
-* Full attention: ``(S, Hkv, max_len, D)``; position ``p`` lives in column ``p``.
+* Full attention: ``(S, Hkv, C, D)``; position ``p`` lives in column ``p``. ``C`` is ``max_len``
+  when the cache is preallocated; otherwise the buffers start small and grow (at least doubling,
+  in multiples of ``GROWTH_QUANTUM`` columns, never past ``max_len``) when a call needs more, so a
+  request for 10^9 new tokens that stops after one costs what one token costs.
 * Sliding window: a ring of ``min(max_len, W - 1 + max_rollback)`` columns; position ``p`` lives
   in column ``p % ring``.
 * KV-shared: nothing. Those layers attend to their source layer's keys and values, produced in the
@@ -33,6 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import TextConfig
+
+# Full-attention buffers that grow do so in multiples of this many columns.
+GROWTH_QUANTUM = 256
 
 
 @dataclass
@@ -87,10 +93,20 @@ def _read(buffer: torch.Tensor, step: CacheStep, columns) -> torch.Tensor:
 class FullLayerCache:
     """Every position of each slot's sequence, in column order."""
 
-    def __init__(self, slots: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device):
-        shape = (slots, heads, max_len, head_dim)
+    def __init__(self, slots: int, heads: int, columns: int, head_dim: int, dtype: torch.dtype, device):
+        shape = (slots, heads, columns, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def grow(self, columns: int) -> None:
+        """Hold ``columns`` columns, keeping what is stored (new columns are zero: attention reads
+        them masked, and masked values must be finite)."""
+        old = self.keys.shape[2]
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            grown = buffer.new_zeros((*buffer.shape[:2], columns, buffer.shape[3]))
+            grown[:, :, :old] = buffer
+            setattr(self, name, grown)
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
@@ -135,6 +151,8 @@ class KVCache:
 
     ``lengths[s]`` is the number of tokens slot ``s`` holds. Free a slot with ``free`` (it can be
     reused at once) and take back its last tokens with ``rollback``; ``reset`` frees every slot.
+    With ``preallocate=False`` the full-attention buffers grow as sequences do (see the module
+    docstring); ``reserve`` grows them ahead of time.
     """
 
     def __init__(
@@ -146,6 +164,7 @@ class KVCache:
         max_rollback: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        preallocate: bool = True,
     ):
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"num_slots and max_len must be positive, got {num_slots} and {max_len}")
@@ -158,6 +177,8 @@ class KVCache:
         self.ring = sliding_ring(config.sliding_window, max_len, max_rollback)
         # The past a sliding layer reads: W - 1 keys (fewer if the whole sequence fits in less).
         self.past_len = min(config.sliding_window - 1, self.ring)
+        # Columns the full-attention buffers hold now.
+        self.capacity = max_len if preallocate else min(max_len, GROWTH_QUANTUM)
         self.layers: list[FullLayerCache | SlidingLayerCache | None] = []
         for spec in config.layers:
             if spec.kv_role == "reuse":
@@ -168,7 +189,7 @@ class KVCache:
                 )
             else:
                 self.layers.append(
-                    FullLayerCache(num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device)
+                    FullLayerCache(num_slots, spec.num_kv_heads, self.capacity, spec.head_dim, dtype, device)
                 )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.lengths = [0] * num_slots
@@ -184,6 +205,18 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the key/value buffers."""
         return sum(c.keys.nbytes + c.values.nbytes for c in self.layers if c is not None)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for sequences of ``tokens`` tokens (at most ``max_len``) in every slot now."""
+        tokens = min(tokens, self.max_len)
+        if tokens <= self.capacity:
+            return
+        columns = max(tokens, 2 * self.capacity)
+        columns = min(self.max_len, -(-columns // GROWTH_QUANTUM) * GROWTH_QUANTUM)
+        for layer in self.layers:
+            if isinstance(layer, FullLayerCache):
+                layer.grow(columns)
+        self.capacity = columns
 
     def reset(self) -> None:
         """Free every slot (the buffers are kept for reuse)."""
@@ -238,6 +271,7 @@ class KVCache:
                     f"cache holds {self.max_len} tokens; {start} are used in slot {slot} and this call "
                     f"adds {count}"
                 )
+        self.reserve(max(start + count for start, count in zip(starts, counts)))
         device = self.device
         start = torch.tensor(starts, device=device)[:, None]
         if valid is None:
@@ -267,8 +301,13 @@ class KVCache:
 
         ``positions`` (S,): each slot's length (where its token goes); ``active`` (S,) bool: slots
         that really decode. Idle slots compute on whatever they are fed and change nothing. The
-        caller records the new lengths with ``advance``.
+        caller records the new lengths with ``advance``. The buffers must be at full size (a
+        compiled step cannot grow them): call ``reserve(max_len)`` first.
         """
+        if self.capacity != self.max_len:
+            raise RuntimeError(
+                "decode_step needs the whole cache allocated: call cache.reserve(cache.max_len) first"
+            )
         positions = positions[:, None]
         return CacheStep(
             rows=torch.arange(self.num_slots, device=positions.device),

@@ -99,8 +99,11 @@ class Engine:
     ``"length"`` (its token budget).
     ``generation_config`` (ours, or a ``generation_config.json`` dict) supplies the sampling
     defaults and stop ids of requests that leave them unset. ``cache`` reuses a cache made by
-    ``model.make_cache`` (its slots and length then set the limits). If ``torchgemma.compile``
-    was applied to the model, decode steps run its compiled static-shape step.
+    ``model.make_cache`` (its slots and length then set the limits). The cache is allocated
+    whole at the start (``preallocate=True``, what a server wants: no allocation while serving) or
+    grows with the requests (``preallocate=False``, what one-off generation wants). If
+    ``torchgemma.compile`` was applied to the model, decode steps run its compiled static-shape
+    step, which needs the cache whole (it is then allocated whole at the first decode step).
     """
 
     def __init__(
@@ -113,12 +116,15 @@ class Engine:
         max_rollback: int = 0,
         generation_config: GenerationConfig | Mapping[str, Any] | None = None,
         cache: KVCache | None = None,
+        preallocate: bool = True,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model = model
         if cache is None:
-            cache = model.make_cache(max_batch_size, max_len, max_rollback=max_rollback)
+            cache = model.make_cache(
+                max_batch_size, max_len, max_rollback=max_rollback, preallocate=preallocate
+            )
         else:
             cache.reset()
         self.cache = cache

@@ -160,6 +160,9 @@ def stream(
         prefill_chunk=prefill_chunk,
         generation_config=gen_config,
         cache=cache,
+        # Room for the whole budget is reserved as the rows grow, not up front: a request for
+        # 10^9 new tokens that stops after one allocates for one.
+        preallocate=False,
     )
     per_row = _media_per_row(model, input_ids, attention_mask, media) if media else [{}] * batch
     for row, (prompt, extra) in enumerate(zip(rows, per_row)):

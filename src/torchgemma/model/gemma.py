@@ -60,14 +60,18 @@ class Gemma(nn.Module):
     def set_attention(self, backend: str) -> None:
         self.language_model.set_attention(backend)
 
-    def make_cache(self, batch_size: int, max_len: int, *, max_rollback: int = 0) -> KVCache:
+    def make_cache(
+        self, batch_size: int, max_len: int, *, max_rollback: int = 0, preallocate: bool = True
+    ) -> KVCache:
         """An empty KV cache of ``batch_size`` slots, each for a sequence of up to ``max_len`` tokens
-        (prompt included), whose last ``max_rollback`` tokens can be taken back."""
+        (prompt included), whose last ``max_rollback`` tokens can be taken back; allocated whole,
+        or (``preallocate=False``) growing with the sequences."""
         return KVCache(
             self.config.text,
             batch_size,
             max_len,
             max_rollback=max_rollback,
+            preallocate=preallocate,
             dtype=self.dtype,
             device=self.device,
         )
