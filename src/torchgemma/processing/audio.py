@@ -8,28 +8,39 @@ reach past the real audio zeroed.
 
 Also reads WAV files (any PCM width, float, mono or multichannel) without extra dependencies,
 other formats through the optional ``soundfile`` package, and resamples to 16 kHz.
+
+Hostile input stays cheap: every entry point accepts rates from 1 Hz to 384 kHz only, reads and
+converts only the samples the first 30 s need (from a file, bytes or an array), resamples in
+bounded memory, and refuses clips too short to give one audio token.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from numbers import Real
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 SAMPLING_RATE = 16_000
-# The highest rate audio in common use is recorded at; uploads above it are refused.
-MAX_UPLOAD_RATE = 192_000
+# Arrays, files, uploads and ``resample`` all accept 1 Hz to this (hi-res masters, the highest rate
+# in common use). It bounds what reading 30 s costs: a forged header above it is refused, not read.
+MAX_SAMPLING_RATE = 384_000
 MAX_SAMPLES = 30 * SAMPLING_RATE  # longer clips are truncated, as in the reference
 PAD_MULTIPLE = 128  # batch length is rounded up to a multiple of this many samples
 FRAME_LENGTH = 320  # 20 ms
 HOP_LENGTH = 160  # 10 ms
+# The first frame (321 samples, the first 160 of them left padding) ends on clip sample 160: a
+# shorter clip has no valid frame, hence no audio token (and under 129 samples no frame at all,
+# on which the tower's first convolution fails).
+MIN_SAMPLES = FRAME_LENGTH // 2 + 1
 FFT_LENGTH = 512
 NUM_MEL_BINS = 128
 MEL_FLOOR = 1e-3
@@ -50,6 +61,11 @@ def process_audio(
     different), or a path to an audio file (read at its own rate, mixed to mono, resampled).
     A 2-D array is a batch of equal-length clips. Returns ``input_features`` (B, T, 128) float32
     and ``input_features_mask`` (B, T) bool (True = frame made of real audio only).
+
+    Only the first 30 s of each clip are kept (as in the reference), so only the samples they need
+    are read from a file or converted from an array. Rates must be 1 Hz to ``MAX_SAMPLING_RATE``;
+    a clip under ``MIN_SAMPLES`` (161) samples at 16 kHz, about 10 ms, gives no audio token and
+    is refused with an error naming it.
     """
     clips = [_clip_at_16k(clip, sampling_rate, index) for index, clip in enumerate(_split_batch(waveforms))]
     batch, sample_mask = _pad_batch(clips)
@@ -69,7 +85,7 @@ def num_audio_tokens(num_samples: int, sampling_rate: int = SAMPLING_RATE) -> in
     _check_rate(sampling_rate)
     n = min(_resampled_length(num_samples, sampling_rate, SAMPLING_RATE), MAX_SAMPLES)
     # Frame i is valid when its last sample, i*160 + 320 - 160 (left pad) < n.
-    num_valid_frames = max(0, (n - (FRAME_LENGTH + 1 - FRAME_LENGTH // 2)) // HOP_LENGTH + 1)
+    num_valid_frames = max(0, (n - MIN_SAMPLES) // HOP_LENGTH + 1)
     return min(-(-num_valid_frames // 4), MAX_AUDIO_TOKENS)
 
 
@@ -94,37 +110,58 @@ def _split_batch(waveforms: AudioInput | Sequence[AudioInput]) -> list[AudioInpu
 
 def _clip_at_16k(clip: AudioInput, sampling_rate: int, index: int) -> np.ndarray:
     if isinstance(clip, (str, Path)):
-        wave, rate = load_audio(clip)
-        name = f"audio file {str(clip)!r}"
+        wave, rate = _load_audio(clip, _frames_kept)
+        name = f"audio clip {index} (file {str(clip)!r})"
     else:
         _check_rate(sampling_rate)
-        wave, rate, name = _as_1d_array(clip, index), sampling_rate, f"audio clip {index}"
+        wave, rate = _as_1d_array(clip, index, _frames_kept(sampling_rate)), sampling_rate
+        name = f"audio clip {index}"
     if wave.size == 0:
         raise ValueError(f"{name} is empty")
     if not np.isfinite(wave).all():
         raise ValueError(f"{name} contains NaN or infinite samples")
+    num_samples = len(wave)
     if rate != SAMPLING_RATE:
         # Only the first 30 s are kept anyway: resample just those.
         wave = resample(wave, rate, SAMPLING_RATE, max_samples=MAX_SAMPLES)
+    _check_long_enough(name, len(wave), num_samples, rate)
     # The reference computes in float32 (a float64 input is cast down before framing).
     return wave.astype(np.float32)
 
 
-def _as_1d_array(clip: AudioInput, index: int) -> np.ndarray:
+def _frames_kept(rate: int) -> int:
+    """Samples at ``rate`` that the first 30 s at 16 kHz are made from (later ones are never read)."""
+    return _input_length_needed(MAX_SAMPLES, rate, SAMPLING_RATE)
+
+
+def _as_1d_array(clip: AudioInput, index: int, max_length: int) -> np.ndarray:
     if isinstance(clip, torch.Tensor):
-        clip = clip.detach().cpu()
+        clip = clip.detach()
+        if clip.ndim == 1:
+            clip = clip[:max_length]  # copy and convert only the kept samples
+        clip = clip.cpu()
         clip = (clip.float() if clip.dtype in (torch.bfloat16, torch.float16) else clip).numpy()
     array = np.asarray(clip)
     if array.ndim != 1:
         raise ValueError(f"audio clip {index} must be 1-D (samples), got shape {array.shape}")
     if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
         raise ValueError(f"audio clip {index} must hold real numbers, got dtype {array.dtype}")
-    return array
+    return array[:max_length]
 
 
-def _check_rate(sampling_rate: int) -> None:
-    if not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
-        raise ValueError(f"sampling_rate must be a positive integer (Hz), got {sampling_rate!r}")
+def _check_rate(sampling_rate: int, what: str = "sampling_rate") -> None:
+    if not isinstance(sampling_rate, (int, np.integer)) or not 1 <= sampling_rate <= MAX_SAMPLING_RATE:
+        raise ValueError(f"{what} must be an integer from 1 to {MAX_SAMPLING_RATE} Hz, got {sampling_rate!r}")
+
+
+def _check_long_enough(name: str, num_samples: int, original_samples: int, rate: int) -> None:
+    """``num_samples`` at 16 kHz, from ``original_samples`` at ``rate``."""
+    if num_samples < MIN_SAMPLES:
+        source = "" if rate == SAMPLING_RATE else f" (from {original_samples} at {rate} Hz)"
+        raise ValueError(
+            f"{name} is too short: {num_samples} samples at 16 kHz{source}; the audio encoder needs at "
+            f"least {MIN_SAMPLES} (about 10 ms) to make one audio token"
+        )
 
 
 # --- Log-mel features -----------------------------------------------------------------------------
@@ -190,6 +227,11 @@ def _mel_filter_bank() -> np.ndarray:
 RESAMPLE_ZERO_CROSSINGS = 48  # per side; sets the transition width
 RESAMPLE_ROLLOFF = 0.95  # cutoff as a fraction of the lower Nyquist frequency
 RESAMPLE_KAISER_BETA = 8.6  # sets the stopband attenuation
+# The filter spans ~101 * down / up input samples, so downsampling by at most 24 (384 kHz -> 16 kHz)
+# keeps it under 2,430 taps.
+MAX_DOWNSAMPLING = MAX_SAMPLING_RATE // SAMPLING_RATE
+# Coefficients (8 bytes each) in one filter table, and in one chunk of gathered inputs.
+RESAMPLE_TABLE_SIZE = 1 << 18
 
 
 def resample(
@@ -198,25 +240,47 @@ def resample(
     """Band-limited resampling of a 1-D signal (polyphase windowed sinc, zeros outside the signal).
 
     The output has ``ceil(len * target_rate / orig_rate)`` samples (at most ``max_samples``),
-    output sample n sits at input time ``n * orig_rate / target_rate``.
+    output sample n sits at input time ``n * orig_rate / target_rate``. Only the inputs those
+    outputs read are converted to float64.
+
+    Both rates must be integers from 1 Hz to ``MAX_SAMPLING_RATE`` (384 kHz), and ``orig_rate`` at
+    most ``MAX_DOWNSAMPLING`` (24) times ``target_rate``. Memory beyond the input and the output
+    stays within a few ``RESAMPLE_TABLE_SIZE`` tables (2 MiB each) whatever the ratio: when the
+    gcd-reduced ratio up/down has so many phases that one exact filter per phase would not fit in
+    one table (uncommon rates such as 44,101 Hz), the filter is interpolated linearly between
+    phases spaced at most 1/100 of an input sample apart, within 1e-6 of the exact filter's output.
+    Common rates (8 to 384 kHz, 44.1 kHz family included) use exact tables, cached. Time is about
+    100 multiply-adds per input sample when downsampling, per output sample when upsampling.
     """
-    _check_rate(orig_rate)
-    _check_rate(target_rate)
-    wave = np.asarray(wave, dtype=np.float64)
-    if orig_rate == target_rate:
-        return wave[:max_samples].copy()
-    g = math.gcd(orig_rate, target_rate)
-    up, down = target_rate // g, orig_rate // g
+    _check_rate(orig_rate, "orig_rate")
+    _check_rate(target_rate, "target_rate")
+    if orig_rate > MAX_DOWNSAMPLING * target_rate:
+        raise ValueError(
+            f"cannot resample {orig_rate} Hz to {target_rate} Hz: downsampling by more than "
+            f"{MAX_DOWNSAMPLING} is not supported"
+        )
+    wave = np.asarray(wave)
     num_out = _resampled_length(len(wave), orig_rate, target_rate)
     if max_samples is not None:
-        num_out = min(num_out, max_samples)
-
-    taps, half = _sinc_table(up, down)  # (up, 2*half + 1): one filter per output phase
-    last_input = (num_out - 1) * down // up + half + 1  # inputs past this are never used
-    padded = np.concatenate([np.zeros(half), wave[:last_input], np.zeros(half + 1)])
+        num_out = max(0, min(num_out, max_samples))
+    wave = wave[: _input_length_needed(num_out, orig_rate, target_rate)]  # the rest is never read
+    if orig_rate == target_rate:
+        return wave.astype(np.float64)
+    up, down = _reduced_ratio(orig_rate, target_rate)
+    half = _filter_size(up, down)[2]
+    padded = np.zeros(half + len(wave) + half + 1)
+    padded[half : half + len(wave)] = wave  # the one float64 copy of the inputs
     windows = sliding_window_view(padded, 2 * half + 1)  # windows[b] = wave[b - half : b + half + 1]
+    if up * (2 * half + 1) <= RESAMPLE_TABLE_SIZE:
+        return _resample_exact(windows, up, down, num_out)
+    return _resample_interpolated(windows, up, down, num_out)
+
+
+def _resample_exact(windows: np.ndarray, up: int, down: int, num_out: int) -> np.ndarray:
+    """One exact filter per output phase (the table has up rows)."""
+    taps = _phase_filters(up, down)  # (up, 2*half + 1)
     out = np.empty(num_out)
-    chunk = 8192  # bounds the temporary (chunk, taps) copy
+    chunk = min(8192, RESAMPLE_TABLE_SIZE // taps.shape[1])  # bounds the (chunk, taps) rows read at once
     # Outputs n, n + up, n + 2*up, ... share one filter phase and step `down` inputs at a time.
     for first in range(min(up, num_out)):
         phase, base = (first * down) % up, (first * down) // up
@@ -228,23 +292,69 @@ def resample(
     return out
 
 
-def _resampled_length(num_samples: int, orig_rate: int, target_rate: int) -> int:
+def _resample_interpolated(windows: np.ndarray, up: int, down: int, num_out: int) -> np.ndarray:
+    """Filters for phases 0, 1/P, ..., 1 of an input sample, linearly interpolated in between.
+
+    The table holds RESAMPLE_TABLE_SIZE coefficients whatever up/down is: P >= 100 phases (the
+    filter has at most ~2,430 taps), so interpolation errors are ~(pi * cutoff / P)^2 / 8 < 2e-7.
+    """
+    num_taps = windows.shape[1]
+    phases = RESAMPLE_TABLE_SIZE // num_taps - 1
+    table = _filters_at(np.arange(phases + 1) / phases, up, down)  # (P + 1, taps), not cached
+    slope = np.diff(table, axis=0)  # (P, taps)
+    out = np.empty(num_out)
+    chunk = RESAMPLE_TABLE_SIZE // num_taps
+    for start in range(0, num_out, chunk):
+        n = np.arange(start, min(start + chunk, num_out), dtype=np.int64)
+        base, remainder = np.divmod(n * down, up)  # output n sits at input base + remainder / up
+        row, part = np.divmod(remainder * phases, up)  # between table rows row and row + 1
+        inputs = windows[base][:, None, :]  # (chunk, 1, taps)
+        at_row = (inputs @ table[row][..., None])[:, 0, 0]  # row-by-row dot products
+        out[start : start + len(n)] = at_row + part / up * (inputs @ slope[row][..., None])[:, 0, 0]
+    return out
+
+
+def _reduced_ratio(orig_rate: int, target_rate: int) -> tuple[int, int]:
     g = math.gcd(orig_rate, target_rate)
-    return -(-num_samples * (target_rate // g) // (orig_rate // g))
+    return target_rate // g, orig_rate // g
 
 
-@lru_cache(maxsize=8)
-def _sinc_table(up: int, down: int) -> tuple[np.ndarray, int]:
+def _resampled_length(num_samples: int, orig_rate: int, target_rate: int) -> int:
+    up, down = _reduced_ratio(orig_rate, target_rate)
+    return -(-num_samples * up // down)
+
+
+def _input_length_needed(num_out: int, orig_rate: int, target_rate: int) -> int:
+    """How many input samples the first ``num_out`` outputs of ``resample`` read."""
+    if orig_rate == target_rate or num_out <= 0:
+        return max(0, num_out)
+    up, down = _reduced_ratio(orig_rate, target_rate)
+    return (num_out - 1) * down // up + _filter_size(up, down)[2] + 1
+
+
+def _filter_size(up: int, down: int) -> tuple[float, float, int]:
+    """The cutoff, the filter's half-length in input samples, and that rounded up (taps per side)."""
     cutoff = RESAMPLE_ROLLOFF * min(1.0, up / down)  # in units of the input Nyquist frequency
-    half_width = RESAMPLE_ZERO_CROSSINGS / cutoff  # filter half-length in input samples
-    half = math.ceil(half_width)
-    # Output phase p sits p/up input samples after its base input; tap i reads input base - half + i.
-    offset = np.arange(up)[:, None] / up + half - np.arange(2 * half + 1)[None, :]
+    half_width = RESAMPLE_ZERO_CROSSINGS / cutoff
+    return cutoff, half_width, math.ceil(half_width)
+
+
+# Only called for tables of at most RESAMPLE_TABLE_SIZE coefficients: the cache holds <= 16 MiB.
+@lru_cache(maxsize=8)
+def _phase_filters(up: int, down: int) -> np.ndarray:
+    return _filters_at(np.arange(up) / up, up, down)
+
+
+def _filters_at(phase: np.ndarray, up: int, down: int) -> np.ndarray:
+    """(len(phase), 2*half + 1) filters, unit DC gain each, for outputs ``phase`` input samples
+    after their base input; tap i reads input base - half + i."""
+    cutoff, half_width, half = _filter_size(up, down)
+    offset = phase[:, None] + half - np.arange(2 * half + 1)[None, :]
     ratio = np.clip(offset / half_width, -1.0, 1.0)
     kaiser = np.i0(RESAMPLE_KAISER_BETA * np.sqrt(1.0 - ratio**2)) / np.i0(RESAMPLE_KAISER_BETA)
     taps = cutoff * np.sinc(cutoff * offset) * kaiser * (np.abs(offset) <= half_width)
-    taps /= taps.sum(axis=1, keepdims=True)  # unit DC gain for every phase
-    return taps, half
+    taps /= taps.sum(axis=1, keepdims=True)
+    return taps
 
 
 # --- Reading files --------------------------------------------------------------------------------
@@ -254,84 +364,116 @@ _WAVE_FORMAT_IEEE_FLOAT = 3
 _WAVE_FORMAT_EXTENSIBLE = 0xFFFE
 
 
-def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
+def load_audio(path: str | Path, max_frames: int | None = None) -> tuple[np.ndarray, int]:
     """Read an audio file as mono float64 in [-1, 1] and its sampling rate.
 
     WAV is parsed here (8/16/24/32-bit PCM, 32/64-bit float, extensible headers; channels averaged).
-    FLAC, OGG and MP3 need the optional ``soundfile`` package.
+    FLAC, OGG and MP3 need the optional ``soundfile`` package. With ``max_frames``, only that many
+    frames from the start are read and decoded. Rates outside 1 Hz to ``MAX_SAMPLING_RATE`` are
+    refused.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"audio file not found: {str(path)!r}")
-    data = path.read_bytes()
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        try:
-            return _parse_wav(data)
-        except (ValueError, struct.error) as error:
-            raise ValueError(f"cannot read WAV file {str(path)!r}: {error}") from error
-    mpeg_frame = len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0
-    if data[:4] in (b"fLaC", b"OggS") or data[:3] == b"ID3" or mpeg_frame:
-        return _read_with_soundfile(path)
-    raise ValueError(f"unsupported audio file {str(path)!r}: not WAV, FLAC, OGG or MP3")
+    return _load_audio(path, lambda rate: max_frames)
 
 
 def decode_wav(data: bytes) -> np.ndarray:
-    """WAV file bytes (e.g. an upload) -> mono float64 samples at 16 kHz, ready for ``process_audio``."""
+    """WAV file bytes (e.g. an upload) -> mono float64 samples at 16 kHz, ready for ``process_audio``.
+
+    Only the first 30 s are decoded and returned: all that ``process_audio`` keeps. Rates outside
+    1 Hz to ``MAX_SAMPLING_RATE`` and clips too short for one audio token are refused.
+    """
     if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a WAV file (no RIFF/WAVE header)")
     try:
-        wave, rate = _parse_wav(data)
+        wave, rate = _read_wav(io.BytesIO(data), _frames_kept)  # BytesIO shares the bytes, no copy
     except (ValueError, struct.error) as error:
         raise ValueError(f"cannot read WAV data: {error}") from error
-    if rate > MAX_UPLOAD_RATE:
-        # The resampler's filter table grows with the rate ratio: a forged header must not cost gigabytes.
-        raise ValueError(f"WAV sampling rate {rate} Hz is above the {MAX_UPLOAD_RATE} Hz this accepts")
-    return wave if rate == SAMPLING_RATE else resample(wave, rate, SAMPLING_RATE)
+    num_samples = len(wave)
+    if rate != SAMPLING_RATE:
+        wave = resample(wave, rate, SAMPLING_RATE, max_samples=MAX_SAMPLES)
+    _check_long_enough("the audio", len(wave), num_samples, rate)
+    return wave
 
 
-def _parse_wav(data: bytes) -> tuple[np.ndarray, int]:
-    fmt, samples = None, None
+def _load_audio(path: str | Path, frames_for_rate: Callable[[int], int | None]) -> tuple[np.ndarray, int]:
+    """``load_audio`` reading at most ``frames_for_rate(rate)`` frames, the rate read from the header."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"audio file not found: {str(path)!r}")
+    with path.open("rb") as file:
+        head = file.read(12)
+        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+            try:
+                return _read_wav(file, frames_for_rate)
+            except (ValueError, struct.error) as error:
+                raise ValueError(f"cannot read WAV file {str(path)!r}: {error}") from error
+    mpeg_frame = len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0
+    if head[:4] in (b"fLaC", b"OggS") or head[:3] == b"ID3" or mpeg_frame:
+        return _read_with_soundfile(path, frames_for_rate)
+    raise ValueError(f"unsupported audio file {str(path)!r}: not WAV, FLAC, OGG or MP3")
+
+
+_READ_BLOCK_BYTES = 1 << 20  # WAV data is decoded this much at a time
+
+
+def _read_wav(stream: BinaryIO, frames_for_rate: Callable[[int], int | None]) -> tuple[np.ndarray, int]:
+    """Walk the RIFF chunks of a seekable stream, then read and decode only the frames asked for."""
+    size = stream.seek(0, io.SEEK_END)
+    fmt, data_start, data_size = None, None, 0
     offset = 12
-    while offset + 8 <= len(data):
-        chunk_id, size = struct.unpack_from("<4sI", data, offset)
-        body = data[offset + 8 : offset + 8 + size]  # a streamed file may claim more than it holds
+    while offset + 8 <= size and (fmt is None or data_start is None):
+        stream.seek(offset)
+        chunk_id, chunk_size = struct.unpack("<4sI", stream.read(8))
         if chunk_id == b"fmt ":
-            fmt = body
+            fmt = stream.read(min(chunk_size, 64))  # 26 bytes at most are used
         elif chunk_id == b"data":
-            samples = body
-        offset += 8 + size + (size & 1)  # chunks are word-aligned
-    if fmt is None or samples is None:
+            # A streamed file may claim more than it holds.
+            data_start, data_size = offset + 8, min(chunk_size, size - offset - 8)
+        offset += 8 + chunk_size + (chunk_size & 1)  # chunks are word-aligned
+    if fmt is None or data_start is None:
         raise ValueError("missing 'fmt ' or 'data' chunk")
     tag, channels, rate, _, block_align, bits = struct.unpack_from("<HHIIHH", fmt)
     if tag == _WAVE_FORMAT_EXTENSIBLE and len(fmt) >= 26:
         tag = struct.unpack_from("<H", fmt, 24)[0]  # first two bytes of the sub-format GUID
-    if channels == 0 or rate == 0 or block_align == 0:
-        raise ValueError(f"invalid header ({channels} channels, {rate} Hz)")
-    width = block_align // channels
-    samples = samples[: len(samples) - len(samples) % block_align]
-    wave = _decode_samples(samples, tag, width, bits)
-    return wave.reshape(-1, channels).mean(axis=1), rate
+    if channels == 0 or block_align == 0 or block_align % channels:
+        raise ValueError(f"invalid header ({channels} channels, {block_align} bytes per frame)")
+    _check_rate(rate, "the sampling rate in the header")
+    decode = _sample_decoder(tag, block_align // channels, bits)
+    num_frames = data_size // block_align
+    limit = frames_for_rate(rate)
+    if limit is not None:
+        num_frames = min(num_frames, limit)
+    wave = np.empty(num_frames)
+    stream.seek(data_start)
+    block = max(1, _READ_BLOCK_BYTES // block_align)
+    for start in range(0, num_frames, block):
+        count = min(block, num_frames - start)
+        raw = stream.read(count * block_align)
+        wave[start : start + count] = decode(raw).reshape(count, channels).mean(axis=1)
+    return wave, rate
 
 
-def _decode_samples(raw: bytes, tag: int, width: int, bits: int) -> np.ndarray:
+def _sample_decoder(tag: int, width: int, bits: int) -> Callable[[bytes], np.ndarray]:
     """Interleaved little-endian samples -> float64 in [-1, 1]."""
     if tag == _WAVE_FORMAT_PCM:
         if width == 1:  # 8-bit WAV is unsigned
-            return (np.frombuffer(raw, np.uint8).astype(np.float64) - 128.0) / 128.0
-        if width in (2, 4):
-            ints = np.frombuffer(raw, f"<i{width}")
-        elif width == 3:
-            b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-            ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend 24 bits
-        else:
-            raise ValueError(f"unsupported PCM sample width of {width} bytes")
-        return ints.astype(np.float64) / float(2 ** (8 * width - 1))
+            return lambda raw: (np.frombuffer(raw, np.uint8).astype(np.float64) - 128.0) / 128.0
+        if width in (2, 3, 4):
+            scale = float(2 ** (8 * width - 1))
+            return lambda raw: _pcm_integers(raw, width).astype(np.float64) / scale
+        raise ValueError(f"unsupported PCM sample width of {width} bytes")
     if tag == _WAVE_FORMAT_IEEE_FLOAT and width in (4, 8):
-        return np.frombuffer(raw, f"<f{width}").astype(np.float64)
+        return lambda raw: np.frombuffer(raw, f"<f{width}").astype(np.float64)
     raise ValueError(f"unsupported WAV encoding (format tag {tag:#x}, {bits} bits)")
 
 
-def _read_with_soundfile(path: Path) -> tuple[np.ndarray, int]:
+def _pcm_integers(raw: bytes, width: int) -> np.ndarray:
+    if width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        return (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend 24 bits
+    return np.frombuffer(raw, f"<i{width}")
+
+
+def _read_with_soundfile(path: Path, frames_for_rate: Callable[[int], int | None]) -> tuple[np.ndarray, int]:
     try:
         import soundfile
     except ImportError as error:
@@ -340,7 +482,12 @@ def _read_with_soundfile(path: Path) -> tuple[np.ndarray, int]:
             "pip install soundfile (or convert the file to WAV)"
         ) from error
     try:
-        wave, rate = soundfile.read(str(path), dtype="float64", always_2d=True)
+        rate = soundfile.info(str(path)).samplerate
+        _check_rate(rate, "the sampling rate in the header")
+        limit = frames_for_rate(rate)
+        wave, _ = soundfile.read(
+            str(path), frames=-1 if limit is None else limit, dtype="float64", always_2d=True
+        )
     except Exception as error:  # soundfile raises its own LibsndfileError / RuntimeError types
         raise ValueError(f"cannot read audio file {str(path)!r}: {error}") from error
     return wave.mean(axis=1), int(rate)
