@@ -24,6 +24,7 @@ from tokenizer_fixtures import (
     write_gemma4_tokenizer,
 )
 from torchgemma.tokenizer import GEMMA4_TOKENS, Tokenizer, UnknownTokenError, load_tokenizer
+from torchgemma.weights.source import CheckpointError
 
 transformers.logging.set_verbosity_error()
 
@@ -286,7 +287,7 @@ def test_missing_files_name_folder_and_file(tmp_path: Path) -> None:
         load_tokenizer(folder)
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         load_tokenizer(tmp_path / "does-not-exist")
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(CheckpointError, match="is a file"):
         load_tokenizer(tmp_path / "ckpt" / "tokenizer_config.json")
     (tmp_path / "broken").mkdir()
     shutil.copy(tmp_path / "ckpt" / "tokenizer_config.json", tmp_path / "broken")

@@ -151,13 +151,25 @@ class LLM:
             return ids
         return ids if ids[:1] == [bos] else [bos, *ids]
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False) -> list[int]:
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        enable_thinking: bool = False,
+        *,
+        sanitize_control_tokens: bool = True,
+    ) -> list[int]:
         """The conversation rendered with the checkpoint's chat template, ready for the model's turn.
 
         Media items appear as one ``<|image|>`` / ``<|audio|>`` placeholder each (not expanded).
+        ``sanitize_control_tokens``: control tokens typed in the messages (``<turn|>``, ``<|image|>``)
+        are encoded as plain text, so only the template writes control tokens; False lets trusted
+        input write them (see ``Tokenizer.apply_chat_template``).
         """
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, enable_thinking=enable_thinking
+            messages,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+            sanitize_control_tokens=sanitize_control_tokens,
         )
 
     def inputs(
@@ -187,11 +199,18 @@ class LLM:
         return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": types, **prepared}
 
     def chat_inputs(
-        self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        enable_thinking: bool = False,
+        *,
+        sanitize_control_tokens: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """``inputs`` of a conversation: the chat template's ids with the media of its content items."""
+        """``inputs`` of a conversation: the chat template's ids with the media of its content items.
+
+        With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         images, audio = collect_media(messages)
-        return self.inputs([self.chat_ids(messages, enable_thinking)], images, audio)
+        ids = self.chat_ids(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
+        return self.inputs([ids], images, audio)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -272,6 +291,7 @@ class LLM:
         messages: Sequence[Mapping[str, Any]],
         *,
         enable_thinking: bool = False,
+        sanitize_control_tokens: bool = True,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
@@ -281,9 +301,12 @@ class LLM:
         ``content`` is a string or a list of items: ``{"type": "text", "text": ...}``,
         ``{"type": "image", "image": path | PIL image | array}`` and ``{"type": "audio", "audio":
         path | 16 kHz array}`` (``"url"`` / ``"path"`` keys hold local paths or ``file://`` URLs).
+        Control tokens typed in the messages stay text unless ``sanitize_control_tokens=False``
+        (see ``chat_ids``).
         """
         sampling = self._chat_sampling(sampling)
-        ids = self._collect(self.chat_inputs(messages, enable_thinking), max_new_tokens, stats, sampling)[0]
+        inputs = self.chat_inputs(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
+        ids = self._collect(inputs, max_new_tokens, stats, sampling)[0]
         stops = self._stop_ids(sampling)
         stopped = bool(ids) and ids[-1] in stops
         thinking, answer = self.tokenizer.parse_reply(self.tokenizer.decode(_without_stop(ids, stops)))
@@ -299,6 +322,7 @@ class LLM:
         messages: Sequence[Mapping[str, Any]],
         *,
         enable_thinking: bool = False,
+        sanitize_control_tokens: bool = True,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
@@ -308,7 +332,7 @@ class LLM:
         The answer pieces join to ``chat(...).text`` and the thinking pieces to ``.thinking``.
         """
         sampling = self._chat_sampling(sampling)
-        inputs = self.chat_inputs(messages, enable_thinking)
+        inputs = self.chat_inputs(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
         stops = self._stop_ids(sampling)
         reply = ReplyStream(self.tokenizer)
         for tokens in self._stream(inputs, max_new_tokens, stats, sampling):

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import io
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -49,6 +50,7 @@ RETRY_AFTER_SECONDS = 2
 TRANSCRIBE_PROMPT = "Transcribe this audio."
 # At most this many tokens per transcript (Whisper's cap; 30 s of speech needs far fewer).
 TRANSCRIPTION_MAX_TOKENS = 448
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class APIError(Exception):
@@ -231,6 +233,13 @@ def create_app(
             thinking = False  # the JSON constraint starts at the first generated token
         choice = body.tool_choice or ("auto" if body.tools else "none")
         tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
+        for tool in tools:
+            # A name is written into the prompt as it is (and forced after `call:`): no room for
+            # control tokens or delimiters. OpenAI's rule, plus '.', which Gemma's parser accepts.
+            if not TOOL_NAME.fullmatch(tool["name"]):
+                raise bad_request(
+                    f"tool name {tool['name']!r} must be 1-64 letters, digits, '_', '-' or '.'", "tools"
+                )
         if choice != "none" and not tools:
             raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
         prefix = ""
@@ -243,11 +252,13 @@ def create_app(
             prefix = f"<|tool_call>call:{name}{{"
         messages, images, audio = template_messages(body.messages)
         try:
+            # Clients are untrusted: control tokens typed in any message, tool or result stay text.
             ids = tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=True,
                 enable_thinking=thinking,
                 tools=tools if choice != "none" else None,
+                sanitize_control_tokens=True,
             )
         except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
             raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error
@@ -396,8 +407,13 @@ def create_app(
                 "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": instruction}],
             }
         ]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = llm.inputs([ids], [], [clip])
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, sanitize_control_tokens=True
+        )
+        try:
+            inputs = llm.inputs([ids], [], [clip])
+        except ValueError as error:  # e.g. samples that are not finite
+            raise bad_request(f"file: {error}", "file") from error
         real = inputs["attention_mask"][0].bool()
         ids = inputs["input_ids"][0][real].tolist()
         room = min(max_len, config.text.max_position_embeddings) - len(ids)

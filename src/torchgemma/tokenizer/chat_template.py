@@ -5,12 +5,18 @@ matches if the environment matches: a sandbox with `trim_blocks`/`lstrip_blocks`
 `{% generation %}` tag, a `tojson` that neither escapes HTML nor forces ASCII, and the globals
 `raise_exception`, `strftime_now`, `dict` and `namespace`. Inputs are reduced to plain JSON-like data
 first, as transformers does, so templates see the same values (and no live objects).
+
+Control tokens typed by a caller (`<turn|>` in a user message) must not become control tokens:
+`mark_control_tokens` wraps each one found in the inputs in two private-use characters before
+rendering, and the tokenizer encodes marked tokens as plain text (transformers 5.23's
+`apply_chat_template(..., sanitize_control_tokens=True)`, same markers and rules).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -23,11 +29,25 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "parse_reply", "render_chat_template", "select_chat_template"]
+__all__ = [
+    "ChatTemplateError",
+    "control_token_pattern",
+    "mark_control_tokens",
+    "marked_token_pattern",
+    "parse_reply",
+    "render_chat_template",
+    "select_chat_template",
+    "template_literal_text",
+]
 
 # Names a message's reasoning may come under; transformers copies it to `reasoning_content` (what
 # templates read) and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# Private-use characters wrapped around a control token found in caller input; the pair transformers
+# uses (chat_template_utils._CONTROL_TOKEN_START / _END), so rendered text means the same to both.
+MARK_START = "\U000f0000"
+MARK_END = "\U000f0001"
 
 
 class ChatTemplateError(ValueError):
@@ -169,6 +189,77 @@ def _plain(value: Any) -> Any:
     if callable(getattr(value, "model_dump", None)):  # pydantic models
         return _plain(value.model_dump())
     return f"<{type(value).__name__}>"
+
+
+@lru_cache(maxsize=32)
+def template_literal_text(template: str) -> str:
+    """The template's raw text and string constants, joined with NULs so no match spans two of them.
+
+    An added token found here is one the template writes, so it counts as a control token (see
+    `Tokenizer.control_tokens`). Tokens the template builds from pieces (`'<|' + role + '|>'`) are
+    missed; special tokens are control tokens regardless, and `chat_control_tokens` can list others."""
+    tree = _compile(template).environment.parse(template)
+    literals = {node.data for node in tree.find_all(jinja2.nodes.TemplateData)}
+    literals |= {node.value for node in tree.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+    return "\0".join(sorted(literals))
+
+
+def _alternation(tokens: Sequence[str]) -> str:
+    """A regex for any of `tokens`, taking the longest where several match at one position (what
+    transformers' longest-first alternation does), written as a trie: real vocabularies have
+    thousands of added tokens, and a flat alternation tries each of them at every "<"."""
+    trie: dict[str, dict] = {}
+    for token in filter(None, tokens):  # an empty token would match everywhere
+        node = trie
+        for char in token:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a token ends here
+
+    def pattern(node: dict[str, dict]) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in node.items() if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        # Where a token ends but longer ones go on, the greedy ? tries the longer ones first.
+        return f"(?:{body})?" if "" in node else body
+
+    return pattern(trie) if any(tokens) else "(?!)"  # (?!) never matches
+
+
+@lru_cache(maxsize=64)
+def control_token_pattern(control_tokens: tuple[str, ...]) -> re.Pattern[str]:
+    """A regex matching any of `control_tokens` (never matching when there are none)."""
+    return re.compile(_alternation(control_tokens))
+
+
+@lru_cache(maxsize=8)
+def marked_token_pattern(added_tokens: tuple[str, ...]) -> re.Pattern[str]:
+    """A regex matching a marked added token (group 1: the token) or a lone marker (group 1: None).
+
+    Lone markers appear when a template's string methods cut a marked token apart (`split`)."""
+    return re.compile(f"{MARK_START}({_alternation(added_tokens)}){MARK_END}|[{MARK_START}{MARK_END}]")
+
+
+def mark_control_tokens(value: Any, pattern: re.Pattern[str]) -> Any:
+    """`value` with every control token (matches of `pattern`) in its strings wrapped in markers.
+
+    Strings are found in mappings (keys too, unlike transformers: Gemma's template prints the keys
+    of tool-call arguments and tool schemas), lists and tuples (both become lists, as in
+    transformers), dataclasses and pydantic models (made plain first); other values are returned
+    as they are. Markers already in a string are dropped first, so input cannot forge a marked token.
+    """
+    if isinstance(value, str):
+        value = value.replace(MARK_START, "").replace(MARK_END, "")
+        return pattern.sub(lambda match: f"{MARK_START}{match.group()}{MARK_END}", value)
+    if isinstance(value, Mapping):
+        return {mark_control_tokens(k, pattern): mark_control_tokens(v, pattern) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mark_control_tokens(v, pattern) for v in value]
+    if not isinstance(value, type) and (
+        dataclasses.is_dataclass(value) or callable(getattr(value, "model_dump", None))
+    ):
+        return mark_control_tokens(_plain(value), pattern)
+    return value
 
 
 def _prepare_messages(messages: Sequence[Any]) -> list[dict]:

