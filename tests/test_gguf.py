@@ -249,6 +249,41 @@ def test_other_gguf_types_go_through_gguf_quants():
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), qtype.name
 
 
+@pytest.mark.parametrize("qtype", LISTED_TYPES, ids=lambda t: t.name)
+def test_dequantize_is_gguf_quants_to_the_bit_on_any_bytes(qtype, monkeypatch):
+    """Whole-tensor decoding equals gguf.quants (the former implementation) bit for bit on arbitrary
+    bytes, NaN and infinite scales included, across chunk boundaries and into every float dtype (cast
+    once from the same float32 values)."""
+    import torchgemma.weights.gguf as gguf_module
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 5, 3 * 256
+    raw = np.random.default_rng(int(qtype) + 100).integers(
+        0, 256, (rows, cols // block * size), dtype=np.uint8
+    )
+    if qtype == T.F16:
+        raw = raw.view(np.float16)  # as GGUFCheckpoint.raw hands F16 and F32 tensors over
+    elif qtype == T.F32:
+        raw = raw.view(np.float32)
+    with np.errstate(all="ignore"):  # gguf.quants warns on the NaN scales
+        theirs = torch.from_numpy(
+            np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(rows, cols)
+        )
+    monkeypatch.setattr(gguf_module, "_CHUNK_VALUES", 1000)  # several chunks, the last one short
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        ours = dequantize(raw, qtype, (rows, cols), dtype)
+        assert ours.dtype == dtype and ours.shape == (rows, cols)
+        expected = theirs.to(dtype)
+        bits = {4: torch.int32, 2: torch.int16, 8: torch.int64}[expected.element_size()]
+        assert torch.equal(ours.view(bits), expected.view(bits)), (qtype.name, dtype)
+
+
+def test_dequantize_refuses_data_of_the_wrong_size():
+    raw = np.zeros((2, 34), np.uint8)  # two Q8_0 blocks: 64 values
+    with pytest.raises(GGUFError, match=r"68 bytes of Q8_0 data do not hold a tensor of shape \[3, 32\]"):
+        dequantize(raw, T.Q8_0, (3, 32))
+
+
 # --------------------------------------------------------------------------------------------------
 # Synthetic Gemma 4 / Gemma 3 files
 
@@ -738,6 +773,21 @@ def test_real_file_reads(real_gguf):
     norm = ckpt.tensor("model.norm.weight")
     info = ckpt._gguf["output_norm.weight"]
     assert torch.equal(norm, torch.from_numpy(np.array(ckpt._file.raw(info))) - 1)
+
+
+def test_real_tensors_decode_as_gguf_quants(real_gguf):
+    """One tensor of every GGML type in the real file (the smallest), decoded here and by gguf.quants."""
+    ckpt = read_gguf(real_gguf)
+    smallest: dict = {}
+    for info in ckpt._gguf.values():
+        if info.qtype not in smallest or info.n_bytes < smallest[info.qtype].n_bytes:
+            smallest[info.qtype] = info
+    assert set(smallest) == {T.F32, T.Q5_0, T.Q4_K, T.Q8_0, T.Q6_K}
+    for qtype, info in smallest.items():
+        raw = ckpt._file.raw(info)
+        theirs = np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(info.shape)
+        ours = dequantize(raw, qtype, info.shape)
+        assert np.array_equal(ours.numpy().view(np.int32), theirs.view(np.int32)), info.name
 
 
 def test_real_tokenizer_golden(real_gguf):

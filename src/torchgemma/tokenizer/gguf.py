@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from ..weights.gguf import GGUFError, read_gguf_metadata
+from ..weights.gguf import GGUFError, check_metadata_types, read_gguf_metadata
 
 __all__ = [
     "GGUFTokenizerInfo",
@@ -119,6 +120,7 @@ def tokenizer_from_metadata(
     metadata: Mapping[str, Any], source: str = "GGUF file"
 ) -> tuple[Tokenizer, GGUFTokenizerInfo]:
     """As ``tokenizer_from_gguf``, from metadata already read (``read_gguf_metadata`` / ``GGUFCheckpoint.metadata``)."""
+    check_metadata_types(metadata, source)
     tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFError(f"{source} has no vocabulary (tokenizer.ggml.tokens)")
@@ -140,6 +142,12 @@ def tokenizer_from_metadata(
         vocab_tokens = list(tokens)
         if "tokenizer.ggml.merges" in metadata:
             merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
+            for i, merge in enumerate(merges):
+                if len(merge) != 2:
+                    raise GGUFError(
+                        f"{source}: tokenizer.ggml.merges entry {i} is {' '.join(merge)!r}, not two tokens "
+                        f"joined by one space"
+                    )
         else:
             scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
             merges = _derive_merges(vocab_tokens, dict(zip(vocab_tokens, scores)))
@@ -232,13 +240,19 @@ def _derive_merges(tokens: Sequence[str], rank: Mapping[str, float]) -> list[tup
     keys keep that order. This is the order transformers' ``generate_merges`` produces.
     """
     vocab = {t: i for i, t in enumerate(tokens)}
+    # A cut can only yield two tokens where both parts have the length of some token. Trying only those
+    # cuts keeps a long token (100,000 characters) near linear in its length; trying every cut would
+    # slice it at every position, quadratic in time and memory.
+    lengths = sorted({len(t) for t in vocab if t})
+    length_set = set(lengths)
     found: list[tuple[float, int, int, str, str]] = []
     for piece, score in rank.items():
-        cuts = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
-        cuts = sorted(
-            ((a, b) for a, b in cuts if a in vocab and b in vocab),
-            key=lambda ab: (vocab[ab[0]], vocab[ab[1]]),
-        )
+        n = len(piece)
+        cuts = []
+        for k in lengths[: bisect_left(lengths, n)]:
+            if n - k in length_set and (a := piece[:k]) in vocab and (b := piece[k:]) in vocab:
+                cuts.append((a, b))
+        cuts.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
         found.extend((score, len(a), len(b), a, b) for a, b in cuts)
     found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
     return [(a, b) for _, _, _, a, b in found]

@@ -18,6 +18,7 @@ transformers' GGUF integration; each use is commented where it is made.
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
@@ -37,6 +38,7 @@ __all__ = [
     "GGUFError",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
+    "check_metadata_types",
     "dequantize",
     "read_gguf",
     "read_gguf_metadata",
@@ -81,6 +83,16 @@ _SCALARS = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }  # fmt: skip
+# The fewest bytes one array item of each type takes (a string: its length; an array: type and count),
+# so that a claimed length the file cannot hold is refused before anything is read or allocated.
+_MIN_ITEM_BYTES = {
+    **{vtype: struct.calcsize(fmt) for vtype, fmt in _SCALARS.items()},
+    GGUFValueType.STRING: 8,
+    GGUFValueType.ARRAY: 12,
+}
+# ggml's limits (GGML_MAX_DIMS; a tensor's element count is an int64_t).
+_MAX_DIMS = 4
+_MAX_VALUES = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ class _TensorInfo:
     @property
     def n_bytes(self) -> int:
         block, type_size = GGML_QUANT_SIZES[self.qtype]
-        return int(np.prod(self.dims, dtype=np.int64)) * type_size // block
+        return math.prod(self.dims) * type_size // block  # Python ints: no int64 wrap-around
 
 
 class _GGUFFile:
@@ -134,15 +146,27 @@ class _GGUFFile:
         if version not in (2, 3):
             raise GGUFError(f"{self.name} is GGUF version {version}; versions 2 and 3 are supported")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+        # A key/value takes at least 13 bytes (name length, type, one-byte value), a tensor entry 24.
+        self._need(13 * n_kv + 24 * n_tensors, f"{n_kv} metadata keys and {n_tensors} tensors", advance=False)
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
-            key = self._string()
+            key = self._string("a metadata key name")
             self.metadata[key] = self._value(self._scalar("<I"), key)
+        check_metadata_types(self.metadata, self.name)
         infos = []
         for _ in range(n_tensors):
-            name = self._string()
+            name = self._string("a tensor name")
             n_dims = self._scalar("<I")
+            if n_dims > _MAX_DIMS:
+                raise GGUFError(
+                    f"{self.name}: tensor {name} has {n_dims} dimensions; GGUF allows at most {_MAX_DIMS}"
+                )
             dims = tuple(self._scalar("<Q") for _ in range(n_dims))
+            if (n_values := math.prod(dims)) > _MAX_VALUES:
+                raise GGUFError(
+                    f"{self.name}: tensor {name} has dimensions {list(dims)}, {n_values} values, more than a "
+                    f"tensor can hold (2**63 - 1)"
+                )
             infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
         alignment = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -156,25 +180,48 @@ class _GGUFFile:
 
     # -- header parsing ----------------------------------------------------------------------------
 
-    def _need(self, n: int) -> int:
+    def _need(self, n: int, what: str = "", advance: bool = True) -> int:
+        """Claim the next n header bytes (the start offset); a claim past the end names what wanted it."""
         start, end = self._pos, self._pos + n
         if end > self.size:
             raise GGUFError(
                 f"{self.name} is truncated: its header needs bytes up to {end}, file has {self.size}"
+                + (f" ({what})" if what else "")
             )
-        self._pos = end
+        if advance:
+            self._pos = end
         return start
 
     def _scalar(self, fmt: str) -> Any:
         return struct.unpack_from(fmt, self._map, self._need(struct.calcsize(fmt)))[0]
 
-    def _string(self) -> str:
+    def _string(self, what: str) -> str:
         n = self._scalar("<Q")
-        start = self._need(n)
+        start = self._need(n, f"{what}: a string of {n} bytes")
         try:
             return self._map[start : start + n].decode("utf-8")
         except UnicodeDecodeError as err:
-            raise GGUFError(f"{self.name}: a header string at byte {start} is not UTF-8 ({err})") from None
+            raise GGUFError(f"{self.name}: {what} at byte {start} is not UTF-8 ({err})") from None
+
+    def _strings(self, count: int, key: str) -> list[str]:
+        # The vocabulary is 262k strings: one inlined loop rather than two method calls per string.
+        data, size, pos, unpack = self._map, self.size, self._pos, struct.Struct("<Q").unpack_from
+        out: list[str] = []
+        for i in range(count):
+            end = pos + 8 + (unpack(data, pos)[0] if pos + 8 <= size else 0)
+            if end > size:
+                break
+            try:
+                out.append(data[pos + 8 : end].decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise GGUFError(
+                    f"{self.name}: metadata key {key}, string {i}, is not UTF-8 ({err})"
+                ) from None
+            pos = end
+        self._pos = pos
+        if len(out) < count:  # re-read the string that did not fit, for the error that says so
+            self._string(f"metadata key {key}, string {len(out)} of {count}")
+        return out
 
     def _value(self, type_id: int, key: str) -> Any:
         try:
@@ -182,7 +229,7 @@ class _GGUFFile:
         except ValueError:
             raise GGUFError(f"{self.name}: metadata key {key} has unknown value type {type_id}") from None
         if vtype == GGUFValueType.STRING:
-            return self._string()
+            return self._string(f"metadata key {key}")
         if vtype == GGUFValueType.ARRAY:
             item_id, count = self._scalar("<I"), self._scalar("<Q")
             try:
@@ -191,10 +238,16 @@ class _GGUFFile:
                 raise GGUFError(
                     f"{self.name}: metadata key {key} is an array of unknown type {item_id}"
                 ) from None
+            # Refuse a length the rest of the file cannot hold at once, before reading any item.
+            least = _MIN_ITEM_BYTES[item] * count
+            self._need(least, f"metadata key {key}: an array of {count} {item.name} values", advance=False)
             if item in _SCALARS:
-                fmt = _SCALARS[item]
-                start = self._need(struct.calcsize(fmt) * count)
-                return np.frombuffer(self._map, dtype=np.dtype(fmt), count=count, offset=start).tolist()
+                start = self._need(least)
+                return np.frombuffer(
+                    self._map, dtype=np.dtype(_SCALARS[item]), count=count, offset=start
+                ).tolist()
+            if item == GGUFValueType.STRING:
+                return self._strings(count, key)
             return [self._value(item_id, key) for _ in range(count)]
         value = self._scalar(_SCALARS[vtype])
         # A float32 such as 1e-6 reads back as 9.99999997e-07: keep the decimal the writer meant.
@@ -245,22 +298,334 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Metadata value types
+#
+# The keys this package reads, with the type llama.cpp's converter stores in each. A value of another
+# type (a block count written as a string, a token list of numbers) is refused by name when the file
+# is opened, rather than failing later somewhere unrelated; counts that size things have a floor, and
+# the layer count llama.cpp's ceiling (LLAMA_MAX_LAYERS, llama-hparams.h), so that nothing is built
+# from a corrupt count.
+
+_MAX_LAYERS = 512
+
+
+def _all(value: Any, *types: type) -> bool:
+    return isinstance(value, list) and set(map(type, value)) <= set(types)
+
+
+_KINDS = {  # kind: (what it must be, test); exact types, so that True is not a count
+    "int": ("an integer", lambda v: type(v) is int),
+    "number": ("a number", lambda v: type(v) in (int, float)),
+    "bool": ("a bool", lambda v: type(v) in (bool, int)),
+    "string": ("a string", lambda v: type(v) is str),
+    "per-layer int": (
+        "an integer or an array of integers (one per layer)",
+        lambda v: type(v) is int or _all(v, int),
+    ),
+    "period or bools": (
+        "an integer period or an array of bools (one per layer)",
+        lambda v: type(v) is int or _all(v, bool, int),
+    ),
+    "strings": ("an array of strings", lambda v: _all(v, str)),
+    "numbers": ("an array of numbers", lambda v: _all(v, float, int)),
+    "ints": ("an array of integers", lambda v: _all(v, int)),
+}
+# key: (kind, least value or None)
+_KEY_KINDS = {
+    "general.architecture": ("string", None),
+    "general.alignment": ("int", 1),
+    "tokenizer.ggml.model": ("string", None),
+    "tokenizer.ggml.tokens": ("strings", None),
+    "tokenizer.ggml.scores": ("numbers", None),
+    "tokenizer.ggml.token_type": ("ints", None),
+    "tokenizer.ggml.merges": ("strings", None),
+    "tokenizer.ggml.bos_token_id": ("int", None),
+    "tokenizer.ggml.eos_token_id": ("int", None),
+    "tokenizer.ggml.padding_token_id": ("int", None),
+    "tokenizer.ggml.unknown_token_id": ("int", None),
+    "tokenizer.ggml.add_bos_token": ("bool", None),
+    "tokenizer.ggml.add_eos_token": ("bool", None),
+    "tokenizer.chat_template": ("string", None),
+}
+# The same under `{general.architecture}.`; block_count first, as the per-layer arrays are checked against it.
+_ARCH_KEY_KINDS = {
+    "block_count": ("int", 1),
+    "context_length": ("int", 1),
+    "embedding_length": ("int", 1),
+    "vocab_size": ("int", 1),
+    "feed_forward_length": ("per-layer int", 0),
+    "attention.head_count": ("per-layer int", 1),
+    "attention.head_count_kv": ("per-layer int", 0),
+    "attention.key_length": ("int", 1),
+    "attention.key_length_swa": ("int", 1),
+    "attention.sliding_window": ("int", 0),
+    "attention.sliding_window_pattern": ("period or bools", 0),
+    "attention.shared_kv_layers": ("int", 0),
+    "attention.layer_norm_rms_epsilon": ("number", None),
+    "rope.freq_base": ("number", None),
+    "rope.freq_base_swa": ("number", None),
+    "rope.scaling.type": ("string", None),
+    "rope.scaling.factor": ("number", None),
+    "final_logit_softcapping": ("number", None),
+    "embedding_length_per_layer_input": ("int", 0),
+    "expert_count": ("int", 0),
+    "expert_used_count": ("int", 0),
+    "expert_feed_forward_length": ("per-layer int", 0),
+}
+_TYPE_NAMES = {str: "string", int: "integer", float: "float", bool: "bool", list: "array"}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        if not value:
+            return "an empty array"
+        items = sorted({_TYPE_NAMES.get(type(v), type(v).__name__) for v in value})
+        return f"an array of {len(value)} items ({', '.join(items)})"
+    return f"the {_TYPE_NAMES.get(type(value), type(value).__name__)} {value!r:.60}"
+
+
+def check_metadata_types(metadata: Mapping[str, Any], source: str = "GGUF file") -> None:
+    """Raise ``GGUFError`` naming the key if a metadata value this package reads has the wrong type or range.
+
+    Keys that are absent are not checked here (their readers say what is missing); per-layer arrays
+    must have ``block_count`` entries, and ``block_count`` is at most llama.cpp's 512.
+    """
+    arch = metadata.get("general.architecture")
+    keys = dict(_KEY_KINDS)
+    if type(arch) is str:
+        keys.update({f"{arch}.{key}": kind for key, kind in _ARCH_KEY_KINDS.items()})
+    for key, (kind, least) in keys.items():
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        expected, test = _KINDS[kind]
+        if not test(value):
+            raise GGUFError(f"{source}: metadata key {key} should be {expected}, but is {_describe(value)}")
+        if least is not None and type(value) is int and value < least:
+            raise GGUFError(f"{source}: metadata key {key} is {value}; it must be at least {least}")
+        if least is not None and isinstance(value, list) and value and min(value) < least:
+            raise GGUFError(
+                f"{source}: metadata key {key} holds {min(value)}; its entries must be at least {least}"
+            )
+    blocks = metadata.get(f"{arch}.block_count")
+    if blocks is None:
+        return
+    if blocks > _MAX_LAYERS:
+        raise GGUFError(
+            f"{source}: metadata key {arch}.block_count is {blocks}; llama.cpp reads at most {_MAX_LAYERS} "
+            f"layers (LLAMA_MAX_LAYERS)"
+        )
+    for key, (kind, _) in _ARCH_KEY_KINDS.items():
+        value = metadata.get(f"{arch}.{key}")
+        if kind in ("per-layer int", "period or bools") and isinstance(value, list) and len(value) != blocks:
+            raise GGUFError(
+                f"{source}: metadata key {arch}.{key} has {len(value)} entries, but {arch}.block_count is {blocks} "
+                f"(one entry per layer)"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
 # Dequantization
 
 
-def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 tensor of ``shape`` (outermost dimension first) from a tensor's raw GGUF data.
+def dequantize(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` (outermost dimension first) from a tensor's raw GGUF data.
 
-    Block types go through ``gguf.quants.dequantize``, whose numpy code performs the same float32
-    operations in the same order as ggml's ``dequantize_row_*`` reference loops (checked in the
-    tests), and which is what transformers' GGUF loader uses.
+    The types ggml's reference loops are checked against (``_VERIFIED_TYPES``) are decoded here, a
+    whole tensor at a time in chunks of blocks, with the float32 operations of ``dequantize_row_*``
+    in their order, which are also those of ``gguf.quants.dequantize`` (what transformers' GGUF
+    loader uses): the values are the same to the bit (tests compare all three). Each float32 chunk is
+    written straight into the result, or cast into it once for another ``dtype``. The further types go
+    through ``gguf.quants.dequantize``.
     """
     if qtype not in SUPPORTED_TYPES:
         raise GGUFError(f"GGML type {qtype.name} is not supported")
-    values = _gguf_dequantize(data, qtype)
-    if qtype == GGMLQuantizationType.F32:
-        values = np.array(values, copy=True)  # F32 comes back as a view of the read-only file mapping
-    return torch.from_numpy(values.reshape(shape))
+    decode = _DECODERS.get(qtype)
+    if decode is None:
+        return torch.from_numpy(np.asarray(_gguf_dequantize(data, qtype)).reshape(shape)).to(dtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_values = math.prod(shape)
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if n_values % block or raw.size != n_values // block * type_size:
+        raise GGUFError(f"{raw.size} bytes of {qtype.name} data do not hold a tensor of shape {list(shape)}")
+    blocks = raw.reshape(-1, type_size)
+    # Allocated by numpy, which asks for 2 MB pages (MADV_HUGEPAGE) on large arrays: the 671 MB Gemma 3
+    # embedding then faults in about 4x faster than in torch's 4 KB pages.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = torch.from_numpy(np.empty(n_values * itemsize, np.uint8)).view(dtype).view(shape)
+    rows = out.view(-1, block)  # (n_blocks, block)
+    step = max(1, _CHUNK_VALUES // block)
+    direct = rows.numpy() if dtype == torch.float32 else None
+    scratch = np.empty((min(step, len(blocks)), block), np.float32)
+    # NaN or infinite scales decode as ggml decodes them, without numpy's warnings.
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, len(blocks), step):
+            part = blocks[start : start + step]
+            if direct is not None:
+                decode(part, direct[start : start + len(part)])
+            else:
+                decode(part, scratch[: len(part)])
+                rows[start : start + len(part)].copy_(torch.from_numpy(scratch[: len(part)]))
+    return out
+
+
+# Values decoded per step: one step's float32 values and byte-sized temporaries stay in the cache.
+_CHUNK_VALUES = 1 << 17
+
+# Each decoder turns (n, type_size) bytes, n blocks of one type (layouts: ggml-common.h), into
+# (n, block) float32 values in `out`. Integers are exact in float32, so only the float operations'
+# order matters: d * q, then +/- the block minimum, never fused.
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of each block, as float32, (n, 1)."""
+    return blocks[:, at : at + 2].view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """(n, k) bytes -> (n, 2k) 4-bit values: every low nibble, then every high one."""
+    n, k = packed.shape
+    q = np.empty((n, 2 * k), np.uint8)
+    np.bitwise_and(packed, 0x0F, out=q[:, :k])
+    np.right_shift(packed, 4, out=q[:, k:])
+    return q
+
+
+def _fifth_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: value j is nibble j with bit j of the 32-bit qh as its fifth bit."""
+    q = _nibbles(qs)
+    q |= np.unpackbits(qh, axis=1, bitorder="little") << np.uint8(4)
+    return q
+
+
+def _decode_f32(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[...] = blocks.view(np.float32)
+
+
+def _decode_f16(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[...] = blocks.view(np.float16)
+
+
+def _decode_bf16(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.left_shift(blocks.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+
+
+def _decode_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(blocks[:, 2:].view(np.int8), _half(blocks, 0), out=out)
+
+
+def _decode_q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.subtract(_nibbles(blocks[:, 2:]), np.float32(8), out=out)
+    np.multiply(_half(blocks, 0), out, out=out)
+
+
+def _decode_q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(_half(blocks, 0), _nibbles(blocks[:, 4:]), out=out)
+    np.add(out, _half(blocks, 2), out=out)
+
+
+def _decode_q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.subtract(_fifth_bits(blocks[:, 2:6], blocks[:, 6:]), np.float32(16), out=out)
+    np.multiply(_half(blocks, 0), out, out=out)
+
+
+def _decode_q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(_half(blocks, 0), _fifth_bits(blocks[:, 4:8], blocks[:, 8:]), out=out)
+    np.add(out, _half(blocks, 2), out=out)
+
+
+# K-quants: 256 values in sub-blocks of 16 or 32, each with its own 4- or 6-bit scale (and minimum).
+_SHIFT_2 = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+_SHIFT_1 = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """(n, 64) bytes -> (n, 16, 16) 2-bit values: per 32 bytes, bits 0-1 of each, then 2-3, 4-5, 6-7."""
+    n = len(packed)
+    return ((packed.reshape(n, 2, 1, 32) >> _SHIFT_2) & 3).reshape(n, 16, 16)
+
+
+def _bits(packed: np.ndarray, groups: int) -> np.ndarray:
+    """(n, 32) bytes -> (n, groups, 256 // groups) bits: bit 0 of every byte, then bit 1, ... bit 7."""
+    n = len(packed)
+    return ((packed.reshape(n, 1, 1, 32) >> _SHIFT_1) & 1).reshape(n, groups, -1)
+
+
+def _decode_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    n = len(blocks)
+    scales = blocks[:, :16]
+    dl = (_half(blocks, 80) * (scales & 0x0F)).reshape(n, 16, 1)
+    ml = (_half(blocks, 82) * (scales >> 4)).reshape(n, 16, 1)
+    values = out.reshape(n, 16, 16)
+    np.multiply(dl, _crumbs(blocks[:, 16:80]), out=values)
+    np.subtract(values, ml, out=values)
+
+
+def _decode_q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    n = len(blocks)
+    packed = blocks[:, 96:108]  # 16 6-bit scales: low 4 bits in bytes 0-7, high 2 bits in bytes 8-11
+    low = np.concatenate([packed[:, :8] & 0x0F, packed[:, :8] >> 4], axis=1)
+    high = ((packed[:, 8:].reshape(n, 1, 4) >> _SHIFT_2.reshape(1, 4, 1)) & 3).reshape(n, 16)
+    scales = (low | (high << np.uint8(4))).view(np.int8) - np.int8(32)
+    dl = (_half(blocks, 108) * scales).reshape(n, 16, 1)
+    # A value is its 2 low bits, less 4 where its bit in the high mask is clear.
+    q = _crumbs(blocks[:, 32:96]).view(np.int8)
+    q -= ((_bits(blocks[:, :32], 16) ^ 1) << np.uint8(2)).view(np.int8)
+    np.multiply(dl, q, out=out.reshape(n, 16, 16))
+
+
+def _k_nibbles(packed: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: (n, 128) bytes -> (n, 8, 32): per 32 bytes, their low nibbles, then their high ones."""
+    n = len(packed)
+    q = np.empty((n, 4, 2, 32), np.uint8)
+    packed = packed.reshape(n, 4, 32)
+    np.bitwise_and(packed, 0x0F, out=q[:, :, 0])
+    np.right_shift(packed, 4, out=q[:, :, 1])
+    return q.reshape(n, 8, 32)
+
+
+def _decode_k4(blocks: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
+    """Q4_K/Q5_K: d * scale * q - dmin * min over 8 sub-blocks of 32 (get_scale_min_k4's 6-bit fields)."""
+    n = len(blocks)
+    packed = blocks[:, 4:16].reshape(n, 3, 4)
+    d, m, both = packed[:, 0], packed[:, 1], packed[:, 2]
+    scale = np.concatenate([d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    least = np.concatenate([m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)], axis=1)
+    dl = (_half(blocks, 0) * scale).reshape(n, 8, 1)
+    ml = (_half(blocks, 2) * least).reshape(n, 8, 1)
+    values = out.reshape(n, 8, 32)
+    np.multiply(dl, q, out=values)
+    np.subtract(values, ml, out=values)
+
+
+def _decode_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    _decode_k4(blocks, _k_nibbles(blocks[:, 16:144]), out)
+
+
+def _decode_q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    q = _k_nibbles(blocks[:, 48:176])
+    q |= _bits(blocks[:, 16:48], 8) << np.uint8(4)
+    _decode_k4(blocks, q, out)
+
+
+def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    n = len(blocks)
+    d = (_half(blocks, 208) * blocks[:, 192:208].view(np.int8)).reshape(n, 16, 1)
+    # Per 128 values: low nibbles of 64 bytes, then their high nibbles, each with 2 more bits from qh.
+    low = (blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFT_2) & 3
+    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).view(np.int8) - np.int8(32)
+    np.multiply(d, q.reshape(n, 16, 16), out=out.reshape(n, 16, 16))
+
+
+_DECODERS = {
+    _T.F32: _decode_f32, _T.F16: _decode_f16, _T.BF16: _decode_bf16,
+    _T.Q8_0: _decode_q8_0, _T.Q4_0: _decode_q4_0, _T.Q4_1: _decode_q4_1, _T.Q5_0: _decode_q5_0,
+    _T.Q5_1: _decode_q5_1, _T.Q2_K: _decode_q2_k, _T.Q3_K: _decode_q3_k, _T.Q4_K: _decode_q4_k,
+    _T.Q5_K: _decode_q5_k, _T.Q6_K: _decode_q6_k,
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,7 +682,7 @@ _GEMMA4_GLOBAL_NAMES = {
 # Not checkpoint tensors: llama.cpp's encoding of Gemma 4's proportional RoPE (read into the config).
 _DERIVED = ("rope_freqs.weight",)
 
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_BLOCK = re.compile(r"blk\.(\d{1,9})\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -348,6 +713,7 @@ class GGUFCheckpoint:
         self.architecture: str = file.metadata["general.architecture"]
         self._file = file
         self._gguf = file.tensors
+        _check_layers(file, self.architecture)  # before anything is built per layer
         for info in self._gguf.values():
             file.check(info)
         build = _gemma3_config if self.architecture == "gemma3" else _gemma4_config
@@ -403,13 +769,13 @@ class GGUFCheckpoint:
 
     def _load(self, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
         parts = [self._gguf[s] for s in entry.sources]
-        values = [dequantize(self._file.raw(t), t.qtype, t.shape) for t in parts]
-        value = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         if entry.shift_norm:
             # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
             # float32, where the converter added it, before any cast.
-            value = value - 1.0
-        return value.to(dtype)
+            (info,) = parts
+            return (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
+        values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
+        return values[0] if len(values) == 1 else torch.cat(values, dim=1)
 
     def _check_types(self) -> None:
         for entry in self._entries:
@@ -459,6 +825,30 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             f"{file.name} has architecture {arch!r}; read_gguf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return GGUFCheckpoint(file)
+
+
+def _check_layers(file: _GGUFFile, arch: str) -> None:
+    """The layer count must be what the tensor table holds: blk.0.* to blk.{n-1}.*, each present."""
+    key = f"{arch}.block_count"
+    if key not in file.metadata:
+        raise GGUFError(f"{file.name} lacks the metadata key {key}")
+    n_layers = file.metadata[key]
+    found = sorted({int(m.group(1)) for name in file.tensors if (m := _BLOCK.fullmatch(name))})
+    if found != list(range(n_layers)):
+        held = f"blk.N tensors for {len(found)} layers ({_spans(found)})" if found else "no blk.N tensors"
+        raise GGUFError(f"{file.name}: metadata key {key} is {n_layers}, but its tensor table has {held}")
+
+
+def _spans(numbers: list[int]) -> str:
+    """Sorted ints as ranges: [0, 1, 2, 5] -> "0-2, 5" (the first few)."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    text = [f"{a}-{b}" if b > a else f"{a}" for a, b in spans[:4]]
+    return ", ".join(text) + (", ..." if len(spans) > 4 else "")
 
 
 # --------------------------------------------------------------------------------------------------
