@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_llm import _variant, llm_checkpoint  # noqa: F401  (the session fixture)
 from torchgemma.cli import main
+from torchgemma.generation import GenerationConfig
 from torchgemma.llm import LLM, ChatChunk
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
@@ -107,10 +109,30 @@ def test_chat_think_flag_and_eof(llm, llm_checkpoint, capsys, monkeypatch):  # n
 class ThinkingLLM:
     """Stands in for LLM: replies with a thought, then an answer, and records what it was asked."""
 
+    generation_config = GenerationConfig(do_sample=True)
+    context_length = 4096
+
+    class tokenizer:  # noqa: N801
+        chat_template = "{{ messages }}"
+
     def __init__(self):
         self.calls = []
 
-    def stream_chat(self, messages, enable_thinking=False, max_new_tokens=None, **sampling):
+    def chat_ids(self, messages, enable_thinking=False, sanitize_control_tokens=True):
+        return [0] * 8
+
+    def chat_inputs(self, messages, enable_thinking=False, sanitize_control_tokens=True):
+        return {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+
+    def stream_chat(
+        self,
+        messages,
+        enable_thinking=False,
+        sanitize_control_tokens=True,
+        max_new_tokens=None,
+        stats=None,
+        **sampling,
+    ):
         self.calls.append(([dict(m) for m in messages], enable_thinking, sampling))
         yield from (ChatChunk("Let me ", True), ChatChunk("think.", True), ChatChunk("Answer ", False))
         yield ChatChunk(f"{len(self.calls)}.", False)
@@ -165,14 +187,15 @@ def test_prompt_longer_than_context(llm_checkpoint, tmp_path, capsys):  # noqa: 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--top-p", "1.5"], "top_p"),
-        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+        (["--temperature", "-1"], "--temperature: must be >= 0"),
         (["--dtype", "fp8"], "unknown dtype"),
     ],
 )
 def test_bad_values(llm_checkpoint, capsys, flags, message):  # noqa: F811
-    code, _, err = run(["generate", "--model", str(llm_checkpoint), *flags, PROMPT], capsys)
-    assert code == 2 and message in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(llm_checkpoint), *flags, PROMPT])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

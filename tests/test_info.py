@@ -48,6 +48,18 @@ def test_published_parameter_counts(name):
     assert info["params_effective"] == info["params_total"] - info["params_ple_table"]
 
 
+def test_moe_active_parameters_match_the_published_figure():
+    """Google gives Gemma 4 26B-A4B as 25.2B parameters (language model), 3.8B active per token."""
+    info = describe(ModelConfig.from_hf(published_multimodal("26b-a4b")))
+    assert info["experts_per_token"] == [8, 128]
+    assert round(info["params_by_tower"]["language_model"] / 1e9, 1) == 25.2
+    assert round(info["params_active_language_model"] / 1e9, 1) == 3.8
+    # The vision tower runs for image tokens: it counts as active in the whole model's figure.
+    assert info["params_active"] - info["params_active_language_model"] == info["params_by_tower"]["vision"]
+    dense = describe(ModelConfig.from_hf(published_multimodal("31b")))
+    assert dense["experts_per_token"] is None and dense["params_active"] == dense["params_total"]
+
+
 def test_e2b_kv_cache_at_128k():
     """12 sliding layers x 511 columns + 3 full layers x 131072 columns, K and V, 1 KV head, 256/512 dims."""
     config = ModelConfig.from_hf(published_multimodal("e2b"))
@@ -93,7 +105,7 @@ def test_cli_json_and_table(multimodal_checkpoint, capsys):
 
 def test_cli_errors(tmp_path, capsys):
     assert main(["info", str(tmp_path / "missing")]) == 2
-    assert "no such checkpoint folder" in capsys.readouterr().err
+    assert "missing is neither a local folder or .gguf file" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     assert main(["info", str(tmp_path)]) == 2
     assert "unsupported model_type 'bert'" in capsys.readouterr().err

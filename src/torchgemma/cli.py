@@ -1,41 +1,277 @@
-"""The ``torchgemma`` command: a thin layer over the library."""
+"""The ``torchgemma`` command: a thin layer over the library.
+
+Arguments are checked before the model loads, and every failure is one line on stderr,
+``torchgemma CMD: error: ...``, with exit status 2 (``--verbose`` adds the traceback of a failure
+nobody anticipated).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig
-from .info import describe, format_report
+import torch
+
+from .config import ConfigError
+from .llm import DEFAULT_MAX_NEW_TOKENS
 from .weights.loading import resolve_dtype
 
+# Decode on a CPU is a chain of small matrix products with a barrier after each; when another
+# process holds one of the threads' cores, every barrier waits for it. gemma3-270m decode on a shared
+# 2-core machine (other work running, load average 2-8; medians of 5 runs of 32-48 tokens): 1 thread
+# 4.6 tok/s, 2 threads 1.3 tok/s; with a busy loop on one core as well, 1.8 vs 0.55. Half the cores
+# (the physical ones where cores are hyperthreads) leaves room for whatever else runs.
+THREADS_HELP = (
+    "CPU threads for the model (default: half the cores this process may use, at least 1; "
+    "gemma3-270m decode on a busy 2-core machine: 1 thread 4.6 tok/s, 2 threads 1.3 tok/s)"
+)
 
-def _config_path(source: str) -> Path:
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path / "config.json"
-    if path.is_file():
-        return path
-    from .weights.source import HUB_ID
+# Flags that only matter when sampling: given without --temperature they switch sampling on.
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")
 
-    if HUB_ID.match(source):
-        from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(source, "config.json"))
-    raise FileNotFoundError(f"{source}: no such checkpoint folder, config.json or hub repository id")
+class CLIError(Exception):
+    """A failure the user can fix, reported as one line: ``torchgemma CMD: error: MESSAGE``."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where the help is, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchgemma")
+    except PackageNotFoundError:
+        return "unknown (not installed; run from a source tree)"
+
+
+def default_threads() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+# ---- argument types: each rejects a bad value at parse time, before anything loads ------------------
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _float_where(check, rule: str):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (math.isfinite(value) and check(value)):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def _dtype(text: str) -> str:
+    try:
+        resolve_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"unknown device {text!r}; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"torchgemma runs on cpu, cuda or mps, not {text!r}")
+    return text
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` is CUDA when there is a GPU, else the CPU; a named device must be there."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is a CPU-only build"
+                if torch.version.cuda is None
+                else "no CUDA GPU was found"
+            )
+            raise CLIError(f"--device {name}: CUDA is not available ({why}); use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CLIError(
+                f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise CLIError(
+            f"--device {name}: Apple's MPS backend is not available here; use --device cpu or auto"
+        )
+    return name
+
+
+# ---- shared steps ----------------------------------------------------------------------------------
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CLIError(
+            f"{where} is not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at offset {err.start})"
+        ) from None
+
+
+def _check_text(text: str, where: str) -> str:
+    # A terminal in a non-UTF-8 locale hands Python undecodable bytes as lone surrogates.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CLIError(f"{where} is not UTF-8 text (undecodable bytes at character {err.start})") from None
+    return text
+
+
+def _check_media_files(args: argparse.Namespace) -> None:
+    """Before the model loads, so that a typo or a bad file fails at once: images are opened (header
+    only: format, size, the decompression-bomb check), audio is read."""
+    from PIL import Image
+
+    for path in args.image:
+        if not Path(path).expanduser().is_file():
+            raise CLIError(f"image file not found: {path!r}")
+        try:
+            with Image.open(Path(path).expanduser()):
+                pass
+        except Image.DecompressionBombError as err:
+            raise CLIError(f"image {path!r} is too large to decode safely: {err}") from None
+        except OSError as err:  # PIL's UnidentifiedImageError is an OSError
+            raise CLIError(f"cannot read image {path!r}: {err}") from None
+    if args.audio:
+        from .processing.audio import load_audio
+
+        for path in args.audio:
+            if not Path(path).expanduser().is_file():
+                raise CLIError(f"audio file not found: {path!r}")
+            load_audio(Path(path).expanduser())  # its errors name the file (and a missing soundfile)
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """What parsing cannot check, short of loading the model."""
+    _check_media_files(args)
+    args.device = resolve_device(args.device)
+    if args.threads is None:
+        args.threads = default_threads()
+
+
+@contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """Hide the loading and download progress bars for --quiet."""
+    if shown:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    from .weights import loading
+
+    threshold, hub_bars = loading.PROGRESS_MIN_BYTES, not are_progress_bars_disabled()
+    loading.PROGRESS_MIN_BYTES = math.inf  # the loader shows a bar from this size on
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        loading.PROGRESS_MIN_BYTES = threshold
+        if hub_bars:
+            enable_progress_bars()
+
+
+def _load_llm(args: argparse.Namespace):
+    from .llm import LLM
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    with _progress_bars(not args.quiet):
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, attention=args.attention)
+    if args.compile:
+        from .acceleration import compile
+
+        compile(llm.model)
+    if args.verbose:
+        print(
+            f"loaded {args.model} in {time.perf_counter() - start:.1f} s: {llm.model.device}, "
+            f"{str(llm.model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU thread(s), "
+            f"context {llm.context_length:,} tokens",
+            file=sys.stderr,
+        )
+    return llm
+
+
+def _sampling(args: argparse.Namespace, llm) -> dict:
+    """The sampling flags the user gave; the rest fall back to the checkpoint's defaults.
+
+    --top-k, --top-p, --min-p or --seed without --temperature mean sampling: when the checkpoint's
+    default is greedy decoding they would change nothing, so they sample at temperature 1.
+    """
+    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    chosen = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    sampling_only = [name for name in SAMPLING_ONLY if name in chosen]
+    if sampling_only and "temperature" not in chosen and not llm.generation_config.do_sample:
+        chosen["temperature"] = 1.0
+    elif sampling_only and chosen.get("temperature") == 0 and not args.quiet:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sampling_only)
+        print(
+            f"torchgemma {args.command}: note: {flags} do nothing with --temperature 0 (greedy)",
+            file=sys.stderr,
+        )
+    return chosen
+
+
+def _report(stats, out) -> None:
+    print(
+        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tok/s | "
+        f"decode: {stats.steps} tokens, {stats.decode_tokens_per_second:.1f} tok/s",
+        file=out,
+        flush=True,
+    )
+
+
+# ---- info ------------------------------------------------------------------------------------------
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    config = ModelConfig.from_file(_config_path(args.path))
-    if args.context is not None and args.context <= 0:
-        raise ValueError(f"--context must be positive, got {args.context}")
-    if args.batch <= 0:
-        raise ValueError(f"--batch must be positive, got {args.batch}")
+    from .info import checkpoint_config, describe, format_report
+
+    if args.path is not None and args.model is not None:
+        args.parser.error("give the checkpoint once: as an argument or with --model")
+    source = args.path if args.path is not None else args.model
+    if source is None:
+        args.parser.error("which checkpoint? e.g. torchgemma info gemma3-270m")
     info = describe(
-        config,
+        checkpoint_config(source),
         context=args.context,
         batch=args.batch,
         dtype=resolve_dtype(args.dtype),
@@ -45,30 +281,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_llm(args: argparse.Namespace):
-    from .llm import LLM
-
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention=args.attention)
-    if args.compile:
-        from .acceleration import compile
-
-        compile(llm.model)
-    return llm
-
-
-def _sampling(args: argparse.Namespace) -> dict:
-    """The sampling flags the user gave; the rest fall back to the checkpoint's defaults."""
-    names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
-
-def _report(stats, out) -> None:
-    print(
-        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tok/s | "
-        f"decode: {stats.steps} tokens, {stats.decode_tokens_per_second:.1f} tok/s",
-        file=out,
-    )
-
+# ---- generate --------------------------------------------------------------------------------------
 
 IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER = "<|image|>", "<|audio|>"
 
@@ -82,89 +295,295 @@ def with_placeholders(prompt: str, images: list[str], audio: list[str]) -> str:
     return prompt
 
 
-def _check_media_files(args: argparse.Namespace) -> None:
-    # Before the model loads, so that a typo fails at once (contents are checked when read).
-    for kind, paths in (("image", args.image), ("audio", args.audio)):
-        for path in paths:
-            if not Path(path).expanduser().is_file():
-                raise FileNotFoundError(f"{kind} file not found: {path!r}")
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return _check_text(args.prompt, "the prompt")
+    if sys.stdin is None or sys.stdin.isatty():
+        # Nothing piped in: waiting for a terminal's EOF would look like a hang.
+        args.parser.print_usage(sys.stderr)
+        raise CLIError("no prompt: give it as an argument, or pipe it on stdin")
+    if hasattr(sys.stdin, "buffer"):
+        return _utf8(sys.stdin.buffer.read(), "stdin")
+    return _check_text(sys.stdin.read(), "stdin")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import GenerationStats
 
-    _check_media_files(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    prompt = with_placeholders(prompt, args.image, args.audio)
+    prompt = with_placeholders(_read_prompt(args), args.image, args.audio)
+    _prepare(args)
+    start = time.perf_counter()
     llm = _load_llm(args)
+    load_seconds = time.perf_counter() - start
     stats = GenerationStats()
-    pieces = llm.stream(
-        prompt,
-        images=args.image,
-        audio=args.audio,
-        max_new_tokens=args.max_new_tokens,
-        stats=stats,
-        **_sampling(args),
-    )
-    for piece in pieces:
+    options = dict(images=args.image, audio=args.audio, max_new_tokens=args.max_new_tokens, stats=stats)
+    options.update(_sampling(args, llm))
+    if args.json:
+        ids = llm.generate_ids([llm.encode(prompt)], **options)[0]
+        print(json.dumps(_json_result(llm, ids, stats, load_seconds), ensure_ascii=False), flush=True)
+        return 0
+    for piece in llm.stream(prompt, **options):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    _report(stats, sys.stderr)
+    if not args.quiet:
+        _report(stats, sys.stderr)
     return 0
 
 
+def _json_result(llm, ids: list[int], stats, load_seconds: float) -> dict:
+    stopped = bool(ids) and ids[-1] in llm.generation_config.eos_token_ids
+
+    def number(x: float) -> float | None:  # JSON has no NaN
+        return None if math.isnan(x) else round(x, 4)
+
+    return {
+        "text": llm.tokenizer.decode(ids[:-1] if stopped else ids),
+        "token_ids": ids,  # the stop token included
+        "finish_reason": "stop" if stopped else "length",
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": len(ids),
+        "timings": {
+            "load_seconds": number(load_seconds),
+            "prefill_seconds": number(stats.prefill_seconds),
+            "decode_seconds": number(stats.decode_seconds),
+            "prefill_tokens_per_second": number(stats.prefill_tokens_per_second),
+            "decode_tokens_per_second": number(stats.decode_tokens_per_second),
+        },
+    }
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+CHAT_HELP = """\
+/help          this list
+/clear         forget the conversation (the system prompt stays; --image/--audio files join the next message)
+/system TEXT   set the system prompt (/system alone removes it)
+/exit          end the chat (or Ctrl-D)
+Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat.
+A message that starts with / : type it as //..."""
+
+
+def _read_template(path: str) -> str:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise CLIError(f"chat template file not found: {path!r}")
+    return _utf8(file.read_bytes(), f"chat template {path!r}")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
-    _check_media_files(args)
+    template = _read_template(args.chat_template) if args.chat_template else None
+    _prepare(args)
     llm = _load_llm(args)
-    media = [{"type": "image", "image": path} for path in args.image]
-    media += [{"type": "audio", "audio": path} for path in args.audio]
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    sampling = _sampling(args)
-    while True:
-        if interactive:
+    if template is not None:
+        llm.tokenizer.chat_template = template
+    if not llm.tokenizer.chat_template:
+        raise CLIError(
+            f"{args.model} is a base model without a chat template; use `torchgemma generate`, "
+            "or pass --chat-template FILE"
+        )
+    return Chat(llm, args).run()
+
+
+class Chat:
+    """One conversation: reads user lines, streams replies, keeps the history within the context."""
+
+    def __init__(self, llm, args: argparse.Namespace) -> None:
+        self.llm, self.args = llm, args
+        self.system: str | None = args.system
+        self.turns: list[dict] = []  # user and assistant messages, oldest first
+        self.media = [{"type": "image", "image": p} for p in args.image]
+        self.media += [{"type": "audio", "audio": p} for p in args.audio]
+        self.sampling = _sampling(args, llm)
+        # Control-token strings typed in a message stay text unless the user says otherwise.
+        self.rendering = dict(
+            enable_thinking=args.think, sanitize_control_tokens=not args.allow_control_tokens
+        )
+        self.max_len = min(args.max_len or llm.context_length, llm.context_length)
+        self.reply_tokens = (
+            args.max_new_tokens or llm.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        )
+        self.interactive = sys.stdin.isatty()
+
+    def messages(self) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns
+
+    def _user_message(self, text: str) -> dict:
+        # Media join the first user message (before its text, as in Gemma's own examples).
+        attach = self.media if not any(m["role"] == "user" for m in self.turns) else []
+        return {"role": "user", "content": [*attach, {"type": "text", "text": text}] if attach else text}
+
+    def check_template(self) -> None:
+        """Render a first exchange now, so that a template that cannot fails before the first message."""
+        self.llm.chat_ids([*self.messages(), self._user_message("Hello")], **self.rendering)
+
+    def run(self) -> int:
+        self.check_template()
+        if self.interactive:
+            with suppress(ImportError):  # no readline on Windows
+                import readline  # noqa: F401  (line editing and history for input())
+            if not self.args.quiet:
+                print(
+                    f"torchgemma chat: {self.args.model}, {self.max_len:,} tokens of context. "
+                    "/help for commands, /exit or Ctrl-D to end.",
+                    file=sys.stderr,
+                )
+        while True:
+            try:
+                line = self._read_line()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat
+                print(file=sys.stderr)
+                return 130
+            if line is None:  # EOF
+                return 0
+            if not line.strip():
+                continue
+            if line.startswith("/") and not line.startswith("//"):
+                if self.command(line.strip()) == "exit":
+                    return 0
+                continue
+            self.reply(line[1:] if line.startswith("//") else line)
+
+    def _read_line(self) -> str | None:
+        if self.interactive and sys.stdout.isatty():
+            try:
+                return _check_text(input("> "), "the message")
+            except EOFError:
+                print(file=sys.stderr)
+                return None
+        if self.interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":  # EOF or an explicit exit
-            return 0
-        if not line.strip():
-            continue
-        text = line.rstrip("\n")
-        attach = media if not any(m["role"] == "user" for m in messages) else []
-        # Media first, then the text, as in Gemma's own examples.
-        messages.append(
-            {"role": "user", "content": [*attach, {"type": "text", "text": text}] if attach else text}
+        if hasattr(sys.stdin, "buffer"):
+            data = sys.stdin.buffer.readline()
+            line = _utf8(data, "stdin") if data else None
+        else:
+            line = _check_text(sys.stdin.readline(), "stdin") or None
+        return None if line is None else line.rstrip("\r\n")
+
+    def command(self, line: str) -> str | None:
+        name, _, rest = line.partition(" ")
+        if name in ("/exit", "/quit"):
+            return "exit"
+        if name == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+        elif name == "/clear":
+            self.turns.clear()
+            print("[conversation cleared]", file=sys.stderr)
+        elif name == "/system":
+            before, self.system = self.system, rest.strip() or None
+            try:
+                self.check_template()
+            except Exception as err:
+                self.system = before
+                print(
+                    f"torchgemma chat: error: the chat template refuses this system prompt: {_one_line(err)}",
+                    file=sys.stderr,
+                )
+                return None
+            print("[system prompt set]" if self.system else "[system prompt removed]", file=sys.stderr)
+        else:
+            print(f"unknown command {name} (/help lists them; //text sends /text)", file=sys.stderr)
+        return None
+
+    def reply(self, text: str) -> None:
+        from .generation import GenerationStats
+
+        self.turns.append(self._user_message(text))
+        budget = self._fit()
+        if budget is None:
+            self.turns.pop()
+            return
+        stats = GenerationStats()
+        chunks = self.llm.stream_chat(
+            self.messages(), **self.rendering, max_new_tokens=budget, stats=stats, **self.sampling
         )
         answer, in_thought = [], False
-        chunks = llm.stream_chat(
-            messages, enable_thinking=args.think, max_new_tokens=args.max_new_tokens, **sampling
-        )
-        for chunk in chunks:
-            # Thinking goes to stderr so that stdout carries the answers alone.
-            if chunk.thinking and not in_thought:
-                print("[thinking] ", end="", file=sys.stderr)
-            elif in_thought and not chunk.thinking:
-                print(file=sys.stderr)
-            in_thought = chunk.thinking
-            print(chunk.text, end="", file=sys.stderr if chunk.thinking else sys.stdout, flush=True)
-            if not chunk.thinking:
-                answer.append(chunk.text)
+        try:
+            for chunk in chunks:
+                # Thinking goes to stderr so that stdout carries the answers alone.
+                if chunk.thinking and not in_thought:
+                    print("[thinking] ", end="", file=sys.stderr)
+                elif in_thought and not chunk.thinking:
+                    print(file=sys.stderr)
+                in_thought = chunk.thinking
+                print(chunk.text, end="", file=sys.stderr if chunk.thinking else sys.stdout, flush=True)
+                if not chunk.thinking:
+                    answer.append(chunk.text)
+        except KeyboardInterrupt:  # Ctrl-C stops the reply; what came so far stays in the conversation
+            chunks.close()
+            print("\n[reply stopped]", end="", file=sys.stderr, flush=True)
         if in_thought:
             print(file=sys.stderr)
         print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(answer)})
+        self.turns.append({"role": "assistant", "content": "".join(answer)})
+        if self.args.verbose:
+            _report(stats, sys.stderr)
+
+    def _prompt_length(self) -> int:
+        inputs = self.llm.chat_inputs(self.messages(), **self.rendering)
+        return int(inputs["input_ids"].shape[-1])
+
+    def _fit(self) -> int | None:
+        """Drop the oldest turns until the conversation and a reply fit the context; the reply's token
+        budget, or None when the newest message alone does not fit."""
+        # Room kept for the reply: max-new-tokens, but never more than half the context.
+        room = min(self.reply_tokens, self.max_len // 2)
+        dropped = 0
+        length = self._prompt_length()
+        while length + room > self.max_len and len(self.turns) > 1:
+            # The oldest user message and the replies up to the next user message.
+            cut = next(i for i in range(1, len(self.turns)) if self.turns[i]["role"] == "user")
+            del self.turns[:cut]
+            dropped += cut
+            length = self._prompt_length()
+        if dropped:
+            print(
+                f"[dropped the {dropped} oldest messages to fit the context of {self.max_len:,} tokens"
+                f"{'; the system prompt stays' if self.system else ''}]",
+                file=sys.stderr,
+            )
+        if length >= self.max_len:
+            message = (
+                f"this message takes {length:,} tokens{' with the system prompt' if self.system else ''}, "
+                f"more than the context of {self.max_len:,}"
+            )
+            if not self.interactive:  # a script must see the failure in the exit status
+                raise CLIError(message)
+            print(f"torchgemma chat: error: {message}; it was not sent", file=sys.stderr)
+            return None
+        return min(self.reply_tokens, self.max_len - length)
 
 
-def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+# ---- the parser ------------------------------------------------------------------------------------
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
         help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
     )
-    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="bf16 or fp32 (default: the checkpoint's; float16 overflows Gemma)",
+    )
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="auto (default: CUDA when there is a GPU, else cpu), cpu, cuda, cuda:1, mps",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help=THREADS_HELP,
+    )
     parser.add_argument(
         "--attention",
         choices=["sdpa", "eager"],
@@ -176,17 +595,49 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the decode step (torch.compile; CUDA graphs on CUDA): minutes to start, faster steps",
     )
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: str) -> None:
+    _add_model_flags(parser)
     parser.add_argument(
-        "--max-new-tokens", type=int, default=None, help="most tokens per reply (default: 512)"
+        "--max-new-tokens",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="most tokens per reply (default: the checkpoint's, else 512)",
     )
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", action="store_true", help=quiet)
+    talk.add_argument("-v", "--verbose", action="store_true", help=verbose)
     sampling = parser.add_argument_group(
-        "sampling", "unset flags take the checkpoint's generation_config.json defaults"
+        "sampling",
+        "unset flags take the checkpoint's generation_config.json defaults (none: greedy); --top-k, "
+        "--top-p, --min-p or --seed without --temperature sample at temperature 1 when that default is greedy",
     )
-    sampling.add_argument("--temperature", type=float, default=None, help="0 is greedy")
-    sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
-    sampling.add_argument("--top-p", type=float, default=None, help="nucleus: keep this probability mass")
-    sampling.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top one")
-    sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    sampling.add_argument(
+        "--temperature", type=_float_where(lambda v: v >= 0, ">= 0"), default=None, help="0 is greedy"
+    )
+    sampling.add_argument(
+        "--top-k", type=_int_at_least(0), default=None, help="keep the k most likely tokens (0: off)"
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=_float_where(lambda v: 0 < v <= 1, "in (0, 1]"),
+        default=None,
+        help="nucleus: keep this probability mass, in (0, 1]",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=_float_where(lambda v: 0 <= v <= 1, "in [0, 1]"),
+        default=None,
+        help="drop tokens below min-p x the top one, in [0, 1]",
+    )
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=_float_where(lambda v: v > 0, "> 0"),
+        default=None,
+        help="> 1 discourages repeats (also when greedy)",
+    )
     sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
 
 
@@ -205,63 +656,112 @@ def _add_media_flags(parser: argparse.ArgumentParser, where: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchgemma", description="Gemma 4 in PyTorch, exact against transformers."
-    )
+    parser = ArgumentParser(prog="torchgemma", description="Gemma 4 in PyTorch, exact against transformers.")
+    parser.add_argument("--version", action="version", version=f"torchgemma {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     info = commands.add_parser(
         "info",
-        help="parameter counts and memory of a checkpoint, from config.json alone",
-        description="Parameter counts (total, per tower, PLE table, effective) and memory (weights at "
-        "bf16/int8/int4, the KV cache torchgemma allocates) from a checkpoint's config.json; no weights needed.",
+        help="parameter counts and memory of a checkpoint, from its config alone",
+        description="Parameter counts (total, per tower, PLE table, effective, active per token for "
+        "mixtures of experts) and memory (weights at bf16/int8/int4, the KV cache torchgemma allocates) "
+        "from a checkpoint's config.json or GGUF metadata; no weights are read (a hub id fetches config.json alone).",
     )
-    info.add_argument("path", help="checkpoint folder, config.json file, or hub repository id")
     info.add_argument(
-        "--context", type=int, default=None, help="tokens per sequence (default: the model's maximum)"
+        "path",
+        nargs="?",
+        default=None,
+        help="what generate's --model takes (folder, .gguf file, hub id, gemma3-270m), or a config.json file",
     )
-    info.add_argument("--batch", type=int, default=1, help="sequences in the cache (default: 1)")
+    info.add_argument("--model", default=None, help="the same, as a flag")
     info.add_argument(
-        "--dtype", default=None, help="KV cache dtype: bf16, fp16 or fp32 (default: the checkpoint's)"
+        "--context",
+        type=_int_at_least(1),
+        default=None,
+        help="tokens per sequence (default: the model's maximum)",
+    )
+    info.add_argument("--batch", type=_int_at_least(1), default=1, help="sequences in the cache (default: 1)")
+    info.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="KV cache dtype: bf16, fp16 or fp32 (default: the checkpoint's)",
     )
     info.add_argument(
         "--max-rollback",
-        type=int,
+        type=_int_at_least(0),
         default=0,
         help="tokens a sequence can take back (speculative decoding): slack in the sliding layers' ring",
     )
     info.add_argument("--json", action="store_true", help="print a JSON object")
-    info.set_defaults(func=cmd_info)
+    info.set_defaults(func=cmd_info, parser=info)
 
     generate = commands.add_parser(
         "generate",
         help="continue a prompt, streaming the text to stdout",
         description="Continue a raw prompt (no chat template), streaming the text to stdout; prompt and "
-        "decode speeds go to stderr at the end.",
+        "decode speeds go to stderr at the end. Example: torchgemma generate --model gemma3-270m "
+        "--max-new-tokens 32 'The capital of France is'",
     )
     generate.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin)")
-    _add_generation_flags(generate)
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end instead of streaming: text, token_ids, finish_reason "
+        "(stop or length), prompt_tokens, new_tokens, timings",
+    )
+    _add_generation_flags(
+        generate,
+        quiet="no progress bar, no speed line: stdout and errors only",
+        verbose="also say how the model loaded (device, dtype, threads, seconds)",
+    )
     _add_media_flags(
         generate,
         "each fills one <|image|> / <|audio|> placeholder of the prompt, in order; a prompt without "
         "placeholders of a kind gets one per file appended at its end",
     )
-    generate.set_defaults(func=cmd_generate)
+    generate.set_defaults(func=cmd_generate, parser=generate)
 
     chat = commands.add_parser(
         "chat",
         help="chat interactively (one user message per stdin line)",
         description="Interactive chat with the checkpoint's chat template: each stdin line is a user "
-        "message; the conversation is kept. Answers go to stdout, thinking to stderr. Ends on EOF or /exit.",
+        "message; the conversation is kept (the oldest turns are dropped, with a note on stderr, when it "
+        "outgrows the context). Answers go to stdout, thinking to stderr. Commands: /help, /clear, "
+        "/system TEXT, /exit. On a terminal: line editing and history; Ctrl-C stops a reply, and at the "
+        "prompt ends the chat. Ends on EOF or /exit.",
     )
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument("--think", action="store_true", help="let the model think before answering")
-    _add_generation_flags(chat)
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the checkpoint's (e.g. for a base model)",
+    )
+    chat.add_argument(
+        "--max-len",
+        type=_int_at_least(2),
+        default=None,
+        metavar="N",
+        help="tokens of context for the conversation and its reply (default and most: the model's)",
+    )
+    chat.add_argument(
+        "--allow-control-tokens",
+        action="store_true",
+        help="let control-token strings typed in messages (<start_of_turn>, <|turn>, ...) act as control "
+        "tokens; by default they stay text",
+    )
+    _add_generation_flags(
+        chat,
+        quiet="no progress bar, no banner",
+        verbose="a speed line after each reply, and how the model loaded",
+    )
     _add_media_flags(
         chat,
         "attached to the first user message (before its text) and kept in the conversation",
     )
-    chat.set_defaults(func=cmd_chat)
+    chat.set_defaults(func=cmd_chat, parser=chat)
 
     serve = commands.add_parser(
         "serve",
@@ -270,30 +770,33 @@ def build_parser() -> argparse.ArgumentParser:
         "images, audio, transcription, /metrics, a chat page at /) with continuous batching. Needs the serve "
         "extra: pip install 'torchgemma[serve]'.",
     )
-    serve.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
-    )
+    _add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000)
     serve.add_argument(
-        "--max-len", type=int, default=4096, help="tokens per request, prompt and reply (default: 4096)"
+        "--max-batch-size", type=_int_at_least(1), default=8, help="requests decoded together (default: 8)"
     )
     serve.add_argument(
-        "--max-waiting", type=int, default=64, help="requests queued for a slot before 503s (default: 64)"
+        "--max-len",
+        type=_int_at_least(2),
+        default=4096,
+        help="tokens per request, prompt and reply (default: 4096)",
     )
-    serve.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
-    serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cpu)")
-    serve.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
-    serve.add_argument("--compile", action="store_true", help="compile the decode step (see generate --help)")
+    serve.add_argument(
+        "--max-waiting",
+        type=_int_at_least(0),
+        default=64,
+        help="requests queued for a slot before 503s (default: 64)",
+    )
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, parser=serve, quiet=False, verbose=False)
     return parser
+
+
+# ---- serve -----------------------------------------------------------------------------------------
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -301,17 +804,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name for name in ("fastapi", "uvicorn", "prometheus_client", "multipart") if not _importable(name)
     ]
     if missing:
-        print(
-            f"torchgemma serve: error: the server needs {', '.join(missing)}: pip install 'torchgemma[serve]'",
-            file=sys.stderr,
-        )
-        return 2
-    if args.max_batch_size < 1 or args.max_len < 2 or args.max_waiting < 0:
-        print(
-            "torchgemma serve: error: --max-batch-size >= 1, --max-len >= 2, --max-waiting >= 0",
-            file=sys.stderr,
-        )
-        return 2
+        raise CLIError(f"the server needs {', '.join(missing)}: pip install 'torchgemma[serve]'")
+    args.image = args.audio = []
+    _prepare(args)
     import uvicorn
 
     from .serving.app import create_app
@@ -344,16 +839,57 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines) or type(err).__name__
+
+
+def _describe(err: Exception) -> str | None:
+    """The one-line message of an anticipated failure; None for one that is a bug."""
+    import jinja2
+    from PIL import Image
+
+    if isinstance(err, jinja2.TemplateSyntaxError):
+        return f"the chat template has a syntax error at line {err.lineno}: {_one_line(err)}"
+    if isinstance(err, jinja2.TemplateError):  # raise_exception() in a template, an undefined name, ...
+        return f"the chat template failed: {_one_line(err)}"
+    if isinstance(err, Image.DecompressionBombError):
+        return f"an image is too large to decode safely: {_one_line(err)}"
+    if isinstance(err, torch.OutOfMemoryError):
+        return f"out of memory: {_one_line(err)}"
+    if isinstance(err, ModuleNotFoundError) and str(err).startswith("No module named"):
+        return f"a package is missing: {err} (pip install it, or see the README's optional extras)"
+    if isinstance(err, (CLIError, ConfigError, ValueError, OSError, ImportError)):
+        return _one_line(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, OSError, ValueError) as err:
-        # OSError: a missing folder or file, or a hub download that failed.
-        print(f"torchgemma {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`torchgemma generate ... | head -1`): stop quietly, and let the
+        # final flush at exit write nowhere rather than fail again.
+        with suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as err:
+        message = _describe(err)
+        if message is None:
+            if getattr(args, "verbose", False):
+                import traceback
+
+                traceback.print_exc()
+            message = f"{type(err).__name__}: {_one_line(err)} (a bug? --verbose shows the traceback)"
+        print(f"torchgemma {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
-"""What a checkpoint costs, from its config.json alone: parameter counts and memory.
+"""What a checkpoint costs, from its config alone: parameter counts and memory.
 
 Every tower is counted by building our own model on the meta device (no memory, no weights), so
-the count is exactly what ``load`` will allocate.
+the count is exactly what ``load`` will allocate. The config comes from wherever ``load`` would read
+it (``checkpoint_config``): a folder's or hub repository's config.json, or a GGUF file's metadata.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .cache import sliding_ring
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .model import Gemma
+from .model.text import Experts
+from .weights.source import resolve_source
 
 GIB = 2**30
 
@@ -30,6 +34,8 @@ class TensorShape:
     shape: tuple[int, ...]
     # Persistent buffers (layer scalars, clip bounds, standardisation) are loaded but not trained.
     buffer: bool = False
+    # Stacked expert weights (E, ...): a token reads only top_k of the E slices.
+    experts: bool = False
 
     @property
     def numel(self) -> int:
@@ -41,13 +47,55 @@ def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
     with torch.device("meta"):
         model = Gemma(config)
     persistent = set(model.state_dict())
-    tensors = [TensorShape(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    experts = {
+        f"{path}.{name}"
+        for path, module in model.named_modules()
+        if isinstance(module, Experts)
+        for name, _ in module.named_parameters()
+    }
+    tensors = [TensorShape(n, tuple(p.shape), experts=n in experts) for n, p in model.named_parameters()]
     tensors += [TensorShape(n, tuple(b.shape), True) for n, b in model.named_buffers() if n in persistent]
     towers: dict[str, list[TensorShape]] = {"language_model": []}
     for tensor in tensors:
         tower = next((t for t, prefixes in TOWER_PREFIXES.items() if tensor.name.startswith(prefixes)), None)
         towers.setdefault(tower or "language_model", []).append(tensor)
     return towers
+
+
+def checkpoint_config(source: str | Path) -> ModelConfig:
+    """The config ``load(source)`` would build, without reading a weight.
+
+    ``source`` is anything ``load`` takes (a folder, a ``.gguf`` file, a hub id, a named model such as
+    ``gemma3-270m``), resolved by the same ``resolve_source`` (a hub id fetches config.json alone), or
+    a config.json file. A GGUF file's config comes from its metadata, as ``load`` reads it.
+    """
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return ModelConfig.from_file(path)
+    local = resolve_source(source, hub_files=["config.json"])
+    if local.suffix != ".gguf":
+        return ModelConfig.from_file(local)
+    from .weights.gguf import read_gguf
+
+    try:
+        return ModelConfig.from_hf(read_gguf(local).config)
+    except ConfigError as err:
+        raise ConfigError(f"{local}: {err}") from err
+
+
+def active_params(config: ModelConfig, tensors: list[TensorShape]) -> int:
+    """Parameters one token runs through: all of them except the experts its router does not pick.
+
+    Each MoE layer routes a token to ``top_k_experts`` of ``num_experts``; the router, the dense MLP
+    beside the experts and everything else run for every token.
+    """
+    text = config.text
+    total = 0
+    for t in tensors:
+        if t.buffer:
+            continue
+        total += t.numel * text.top_k_experts // text.num_experts if t.experts else t.numel
+    return total
 
 
 def weight_bytes(tensors: list[TensorShape], scheme: str) -> int:
@@ -108,6 +156,7 @@ def describe(
 
     ple = sum(t.numel for t in towers["language_model"] if t.name.endswith("embed_tokens_per_layer.weight"))
     total = count(everything)
+    moe = text.num_experts is not None
     kv_layers = [s for s in text.layers if s.kv_role != "reuse"]
     return {
         "model_type": config.model_type,
@@ -120,6 +169,12 @@ def describe(
         "params_by_tower": {name: count(tensors) for name, tensors in towers.items()},
         "params_ple_table": ple,
         "params_effective": total - ple,
+        # Mixture of experts: what one token runs through (top_k of num_experts expert weights).
+        "params_active": active_params(config, everything) if moe else total,
+        "params_active_language_model": (
+            active_params(config, towers["language_model"]) if moe else count(towers["language_model"])
+        ),
+        "experts_per_token": [text.top_k_experts, text.num_experts] if moe else None,
         "buffers_total": sum(t.numel for t in everything if t.buffer),
         "weights_bytes": {scheme: weight_bytes(everything, scheme) for scheme in ("bf16", "int8", "int4")},
         "ple_table_bytes_bf16": 2 * ple,
@@ -160,6 +215,12 @@ def format_report(info: dict) -> str:
         )
         lines.append(
             f"  effective            {n(info['params_effective']):>12}  (total without the PLE table)"
+        )
+    if info["experts_per_token"]:
+        top_k, experts = info["experts_per_token"]
+        lines.append(
+            f"  active per token     {n(info['params_active']):>12}  ({top_k} of {experts} experts per MoE layer; "
+            f"language model {n(info['params_active_language_model'])})"
         )
     lines += ["", "weights"]
     for scheme, size in info["weights_bytes"].items():
