@@ -2,12 +2,14 @@
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 
 from checkpoints import STYLES, text_config
 from published_configs import A26B, D31B, E2B, E4B, PUBLISHED, multimodal
-from torchgemma.config import FULL, SLIDING, ConfigError, ModelConfig
+from torchgemma.config import FULL, MAX_CONFIG_BYTES, MAX_SIZES, SLIDING, ConfigError, ModelConfig
 
 
 def specs(data):
@@ -122,7 +124,7 @@ DROP = object()
         (broken(E2B, num_kv_shared_layers=35), "num_kv_shared_layers=35"),
         (broken(E2B, num_kv_shared_layers=31), "no earlier layer of that type"),
         (broken(E2B, num_key_value_heads=3), "not a multiple of its 3 key/value heads"),
-        (broken(A26B, num_experts=DROP), "needs a positive integer num_experts"),
+        (broken(A26B, num_experts=DROP), "enable_moe_block=true: num_experts must be a positive integer"),
         (broken(A26B, top_k_experts=200), "top_k_experts=200 exceeds num_experts=128"),
         (
             broken(E2B, rope_parameters={SLIDING: {"rope_type": "yarn", "rope_theta": 1.0}}),
@@ -159,3 +161,245 @@ def test_multimodal_token_ids_in_transformers_spelling():
     data.update(eoa_token_index=7, boi_token_id=None)
     ids = ModelConfig.from_hf(data).token_ids
     assert ids["eoa_token_id"] == 7 and ids["boi_token_id"] == 255999
+
+
+# ── sizes, numbers and token ids that cannot be built: refused at parse, by name ──────────────────
+
+# Gemma 3 27B's published text config (google/gemma-3-27b-it): the largest Gemma 3 must still parse.
+GEMMA3_27B = dict(
+    model_type="gemma3_text",
+    vocab_size=262208,
+    hidden_size=5376,
+    intermediate_size=21504,
+    num_hidden_layers=62,
+    num_attention_heads=32,
+    num_key_value_heads=16,
+    head_dim=128,
+    query_pre_attn_scalar=168,
+    sliding_window=1024,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    max_position_embeddings=131072,
+    final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+)
+
+
+def test_largest_published_configs_are_within_the_caps():
+    for data in (A26B, D31B, multimodal(D31B), GEMMA3_27B):
+        ModelConfig.from_hf(data)
+
+
+TEXT_SIZES = [
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "sliding_window",
+    "max_position_embeddings",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
+]
+
+
+# Just past each cap, and far past it (not for the layer count: should the cap regress, per-layer lists
+# would be sized in this process; the subprocess test below covers 10^9 layers).
+@pytest.mark.parametrize(
+    "key, value",
+    [(key, MAX_SIZES[key] + 1) for key in TEXT_SIZES]
+    + [(key, 10**12) for key in TEXT_SIZES if key != "num_hidden_layers"],
+)
+def test_oversize_text_fields_are_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=rf"{key}={value} exceeds the largest supported value"):
+        ModelConfig.from_hf(broken(E2B, **{key: value}))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (broken(A26B, num_experts=10**6, top_k_experts=8), "num_experts=1000000 exceeds"),
+        (broken(A26B, moe_intermediate_size=10**7), "moe_intermediate_size=10000000 exceeds"),
+        (broken(D31B, num_global_key_value_heads=10**5), "num_global_key_value_heads=100000 exceeds"),
+        (
+            broken(E2B, per_layer_config={"4": {"head_dim": 10**6}}),
+            r"per_layer_config\[4\]: head_dim=1000000",
+        ),
+        (
+            broken(E2B, per_layer_config={"4": {"num_key_value_heads": 0}}),
+            "num_key_value_heads must be a pos",
+        ),
+        (broken(GEMMA3_27B, num_hidden_layers=513), "num_hidden_layers=513 exceeds"),
+        (broken(GEMMA3_27B, sliding_window_pattern=0), "sliding_window_pattern must be a positive integer"),
+        (broken(E2B, layer_types="sliding_attention"), "layer_types must be a list"),
+        (broken(E2B, num_kv_shared_layers=None), "num_kv_shared_layers=None"),
+        (
+            dict(multimodal(E2B), vision_config={"position_embedding_size": 10**9}),
+            "vision_config: position_embedding_size=1000000000 exceeds",
+        ),
+        (
+            dict(multimodal(E2B), audio_config={"conv_kernel_size": 10**9}),
+            "audio_config: conv_kernel_size=1000000000 exceeds",
+        ),
+        (
+            dict(multimodal(E2B), audio_config={"subsampling_conv_channels": [128, 10**9]}),
+            "audio_config: subsampling_conv_channels=1000000000 exceeds",
+        ),
+    ],
+)
+def test_oversize_fields_of_every_sub_config_are_refused(data, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(data)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def rope(**full):
+    """E2B's RoPE parameters with the full-attention entry changed."""
+    params = copy.deepcopy(E2B["rope_parameters"])
+    params[FULL].update(full)
+    return params
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        *[
+            (broken(E2B, rms_norm_eps=v), f"rms_norm_eps must be a positive finite number, got {v!r}")
+            for v in (NAN, INF, 0.0, -1e-6, "1e-6")
+        ],
+        *[
+            (broken(E2B, final_logit_softcapping=v), f"final_logit_softcapping must be a positive .*got {v}")
+            for v in (0.0, -30.0, NAN, INF)
+        ],
+        (broken(GEMMA3_27B, attn_logit_softcapping=0.0), "attn_logit_softcapping must be a positive"),
+        (broken(GEMMA3_27B, final_logit_softcapping=NAN), "final_logit_softcapping must be a positive"),
+        (broken(GEMMA3_27B, query_pre_attn_scalar=0), "query_pre_attn_scalar must be a positive"),
+        (broken(GEMMA3_27B, rope_theta=NAN), "rope_theta must be a positive finite number, got nan"),
+        (broken(GEMMA3_27B, rope_local_base_freq=-1.0), "rope_local_base_freq must be a positive"),
+        (
+            broken(GEMMA3_27B, rope_scaling={"rope_type": "linear", "factor": 0.0}),
+            r"rope_scaling: factor must",
+        ),
+        (broken(E2B, rope_parameters=rope(factor=0.0)), r"\['full_attention'\]: factor must be a positive"),
+        (broken(E2B, rope_parameters=rope(factor=NAN)), r"\['full_attention'\]: factor must be a positive"),
+        (
+            broken(E2B, rope_parameters=rope(rope_theta=0)),
+            r"rope_theta must be a positive finite number, got 0",
+        ),
+        (broken(E2B, rope_parameters=rope(rope_theta=INF)), "rope_theta must be a positive finite number"),
+        *[
+            (
+                broken(E2B, rope_parameters=rope(partial_rotary_factor=v)),
+                r"partial_rotary_factor must be a number in \(0, 1\]",
+            )
+            for v in (0.0, -0.25, 1.5, NAN)
+        ],
+        (
+            dict(multimodal(E2B), vision_config={"rms_norm_eps": NAN}),
+            "vision_config: rms_norm_eps must be a positive finite number",
+        ),
+        (
+            dict(multimodal(E2B), vision_config={"rope_parameters": {"rope_theta": 0.0}}),
+            "vision_config: rope_theta must be a positive finite number",
+        ),
+        *[
+            (dict(multimodal(E2B), audio_config={key: value}), f"audio_config: {key} must be a {rule}")
+            for key, value, rule in [
+                ("attention_logit_cap", 0.0, "positive finite number"),
+                ("gradient_clipping", NAN, "positive finite number"),
+                ("rms_norm_eps", -1.0, "positive finite number"),
+                ("residual_weight", INF, "finite number"),
+                ("attention_invalid_logits_value", -INF, "finite number"),
+            ]
+        ],
+    ],
+)
+def test_values_that_make_nan_are_refused(data, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(data)
+
+
+def test_nan_written_in_config_json_is_refused(tmp_path):
+    """Python's json module reads the NaN and Infinity literals some writers emit."""
+    (tmp_path / "config.json").write_text(json.dumps(broken(E2B, rms_norm_eps=NAN)))
+    assert "NaN" in (tmp_path / "config.json").read_text()
+    with pytest.raises(
+        ConfigError, match="config.json: rms_norm_eps must be a positive finite number, got nan"
+    ):
+        ModelConfig.from_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(pad_token_id=262144),
+            "pad_token_id=262144 is not a token id of the vocabulary .vocab_size=262144",
+        ),
+        (dict(pad_token_id=-1), "pad_token_id=-1 is not a token id"),
+        (dict(pad_token_id=True), "pad_token_id=True is not a token id"),
+        (dict(bos_token_id=10**9), "bos_token_id=1000000000 is not a token id"),
+        (dict(eos_token_id=[1, 262144]), "eos_token_id=262144 is not a token id"),
+        (dict(eos_token_id="1"), "eos_token_id='1' is not a token id"),
+    ],
+)
+def test_special_token_ids_outside_the_vocabulary_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(broken(E2B, **changes))
+
+
+def test_special_token_ids_inside_the_vocabulary_are_kept():
+    text = ModelConfig.from_hf(
+        broken(E2B, pad_token_id=262143, bos_token_id=None, eos_token_id=[1, 106])
+    ).text
+    assert (text.pad_token_id, text.bos_token_id, text.eos_token_id) == (262143, None, (1, 106))
+
+
+# A child process: a ConfigError for config.json, with the seconds it took, under an address-space
+# budget of 256 MiB above what the imports use (Linux: /proc/self/status).
+BOUNDED_PARSE = r"""
+import json, resource, sys, time
+from torchgemma.config import ConfigError, ModelConfig
+status = open("/proc/self/status").read()
+used = int(status.split("VmSize:")[1].split()[0]) * 1024
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+budget = used + 256 * 2**20 if hard == resource.RLIM_INFINITY else min(used + 256 * 2**20, hard)
+resource.setrlimit(resource.RLIMIT_AS, (budget, hard))
+start = time.perf_counter()
+try:
+    ModelConfig.from_file(sys.argv[1])
+    print(json.dumps({"error": None}))
+except ConfigError as err:
+    print(json.dumps({"error": str(err), "seconds": time.perf_counter() - start}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("style", ["gemma4", "gemma3"])
+def test_a_billion_layers_fail_fast_in_bounded_memory(tmp_path, style):
+    """10^9 layers (what `torchgemma info` and `load` parse first): a ConfigError within 256 MiB and
+    1 s of parsing. Before the cap, sizing per-layer lists took minutes and GiBs (MemoryError at a
+    4 GiB address-space limit after 62 s)."""
+    base = {k: v for k, v in (E2B if style == "gemma4" else GEMMA3_27B).items() if k != "layer_types"}
+    (tmp_path / "config.json").write_text(json.dumps(dict(base, num_hidden_layers=10**9)))
+    done = subprocess.run(
+        [sys.executable, "-c", BOUNDED_PARSE, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "num_hidden_layers=1000000000 exceeds the largest supported value 512" in result["error"]
+    assert result["seconds"] < 1.0
+
+
+def test_oversize_config_file_is_refused_unread(tmp_path):
+    path = tmp_path / "config.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: no disk used, and never read
+    with pytest.raises(ConfigError, match=rf"config.json is {MAX_CONFIG_BYTES + 1:,} bytes, more than any"):
+        ModelConfig.from_file(tmp_path)

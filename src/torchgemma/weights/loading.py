@@ -1,15 +1,16 @@
 """``torchgemma.load``: checkpoint tensors -> a ready ``Gemma`` module.
 
 Loading is the identity on names except for the few exceptions in ``sanitize``, each one line with
-its reason. Anything missing, unexpected or mis-shaped is an error that names the tensor. Tensors are
-read one at a time (memory-mapped safetensors, or dequantized GGUF blocks) into a model allocated
-once in the target dtype and device.
+its reason. Anything missing, unexpected or mis-shaped is an error that names the tensor, raised
+from the checkpoint's tensor table and a model built on the meta device, before any memory is
+allocated. Tensors are then read one at a time (memory-mapped safetensors, or dequantized GGUF
+blocks) into a model allocated once in the target dtype and device.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, ModelConfig
 from ..model import Gemma
 from ..model.text import ATTENTION_BACKENDS
-from .safetensors import FLOAT_DTYPES, TensorSource, read_safetensors, safetensors_files, tensor_nbytes
+from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
 from .source import CheckpointError, resolve_source
 
 DTYPES = {
@@ -36,17 +37,31 @@ DTYPES = {
 }
 
 
-# Below this size a progress bar is noise.
-PROGRESS_MIN_BYTES = 256 * 2**20
+# Below this many bytes read a progress bar is noise.
+PROGRESS_MIN_BYTES = 64 * 2**20
+
+# Gemma's residual stream outgrows float16 (largest finite 65504): Gemma 3 270M's reaches 1.04e5 in
+# float32 by layer 14; in float16 it is inf after layer 7 and every logit NaN (transformers 5.23's
+# Gemma3ForCausalLM too). A model is never built in float16.
+FLOAT16_REFUSED = "float16 is not supported: Gemma's activations exceed float16's range: use bf16 or fp32"
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The torch dtype a name stands for ("bf16", "float32", ...); float16 included (KV-cache sizing)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).removeprefix("torch.")
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPES))}")
     return DTYPES[key]
+
+
+def model_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``resolve_dtype``, refusing the dtypes a model cannot run in."""
+    resolved = resolve_dtype(dtype)
+    if resolved == torch.float16:
+        raise ValueError(FLOAT16_REFUSED)
+    return resolved
 
 
 def load(
@@ -59,27 +74,26 @@ def load(
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
     ``dtype`` defaults to the checkpoint's own (``config.json``'s ``dtype``, else the tensors'; float32
-    for GGUF files, which are dequantized into it), ``device`` to the CPU. Tensors are read
+    for GGUF files, which are dequantized into it, and for float16 checkpoints, whose activations
+    would overflow); float16 is refused. ``device`` defaults to the CPU. Tensors are read
     memory-mapped one at a time into the built model, so memory peaks at the model plus its largest
     tensor. ``attention`` is the text decoder's backend: ``"sdpa"`` (fast, bounded memory) or
     ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is returned in eval mode.
     """
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+    requested = model_dtype(dtype)
     path = resolve_source(source)
     device = torch.device(device or "cpu")
     if path.suffix == ".gguf":
-        return _load_gguf(path, resolve_dtype(dtype) or torch.float32, device, attention)
+        return _load_gguf(path, requested or torch.float32, device, attention)
     config = ModelConfig.from_file(path)
     with ExitStack() as stack:
         tensors = list(read_safetensors(safetensors_files(path), stack))
-        model = _empty_model(
-            config, resolve_dtype(dtype) or _checkpoint_dtype(config, tensors), device, attention
-        )
-        total = sum(tensor_nbytes(shape, dt) for _, _, shape, dt in tensors)
-        with _progress(total, path.name) as bar:
-            load_into(model, config, iter(tensors), bar.update)
-    return model.eval()
+        check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
+        stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
+        dtype = requested or _checkpoint_dtype(config, tensors)
+        return _build(config, dtype, device, attention, tensors, stored, path.name)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: str) -> Gemma:
@@ -90,36 +104,82 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: 
         config = ModelConfig.from_hf(checkpoint.config)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
-    model = _empty_model(config, dtype, device, attention)
     names = checkpoint.tensor_names()
-    itemsize = torch.empty((), dtype=dtype).element_size()
     tensors = [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
-    total = sum(math.prod(shape) * itemsize for _, _, shape, _ in tensors)
-    with _progress(total, path.name) as bar:
-        load_into(model, config, iter(tensors), bar.update)
+    # The bar counts what is read: the quantized bytes of the GGUF tensor(s) behind each tensor
+    # (GGUFCheckpoint has no public accessor for them; _TensorInfo.n_bytes is the stored size).
+    stored = {
+        name: sum(checkpoint._gguf[s].n_bytes for s in checkpoint._entry(name).sources) for name in names
+    }
+    return _build(config, dtype, device, attention, tensors, stored, path.name)
+
+
+def _build(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: str,
+    tensors: list[tuple],
+    stored: dict[str, int],
+    label: str,
+) -> Gemma:
+    """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name."""
+    with torch.device("meta"):
+        model = Gemma(config, attention)
+    # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
+    plan = match_tensors(model, config, tensors)
+    # Allocate once, directly in the target dtype and device; loading fills it in place.
+    model = model.to(dtype=dtype).to_empty(device=device)
+    with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
+        fill(model, plan, lambda key: bar.update(stored[key]))
     return model.eval()
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, attention: str) -> Gemma:
-    with torch.device("meta"):
-        model = Gemma(config, attention)
-    # Allocate once, directly in the target dtype and device; loading fills it in place.
-    return model.to(dtype=dtype).to_empty(device=device)
-
-
 def _progress(total: int, name: str) -> tqdm:
-    return tqdm(
-        total=total, unit="B", unit_scale=True, desc=f"loading {name}", disable=total < PROGRESS_MIN_BYTES
-    )
+    # tqdm's disable=None does not check the stream in every version: a log file gets no bar.
+    stream = sys.stderr
+    quiet = total < PROGRESS_MIN_BYTES or not getattr(stream, "isatty", lambda: False)()
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}", file=stream, disable=quiet)
 
 
 def _checkpoint_dtype(config: ModelConfig, tensors) -> torch.dtype:
-    if config.dtype is not None:
-        return resolve_dtype(config.dtype)
-    for _, _, _, dt in tensors:
-        if dt in FLOAT_DTYPES:
-            return FLOAT_DTYPES[dt]
-    return torch.float32
+    dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
+    if dtype is None:
+        dtype = next((FLOAT_DTYPES[dt] for *_, dt in tensors if dt in FLOAT_DTYPES), torch.float32)
+    # float16 checkpoints run in float32 (exact, and in range): see FLOAT16_REFUSED.
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def check_tensor_table(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """The decoder's layer count and embedding shape against a checkpoint's tensor table.
+
+    Milliseconds, from file headers alone: a config.json that disagrees with its weights is refused
+    before a model is sized from it.
+    """
+    text = config.text
+    layers: set[int] = set()
+    embedding = None
+    for key, shape in shapes.items():
+        name = sanitize(key, config)
+        if name is None:
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["language_model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            layers.add(int(parts[2]))
+        elif name == "language_model.embed_tokens.weight":
+            embedding = (key, shape)
+    if layers != set(range(text.num_hidden_layers)):
+        found = f"{len(layers)} (indices {min(layers)}..{max(layers)})" if layers else "none"
+        raise CheckpointError(
+            f"{where}: config.json says num_hidden_layers={text.num_hidden_layers} but the checkpoint's "
+            f"decoder layers are {found}"
+        )
+    expected = (text.vocab_size, text.hidden_size)
+    if embedding is not None and tuple(embedding[1]) != expected:
+        raise CheckpointError(
+            f"{where}: config.json says vocab_size={text.vocab_size}, hidden_size={text.hidden_size} but "
+            f"{embedding[0]} has shape {list(embedding[1])}"
+        )
 
 
 SHARED_KV_PARAMS = ("k_proj", "v_proj", "k_norm", "v_norm")
@@ -153,15 +213,24 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
     return name
 
 
-def load_into(
-    model: nn.Module, config: ModelConfig, source: TensorSource, progress: Callable[[int], None]
-) -> None:
-    """Copy every tensor of ``source`` into ``model``; every parameter and buffer must be covered once."""
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers a checkpoint must cover, by name."""
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
     persistent = set(model.state_dict().keys())
-    targets = {k: v for k, v in targets.items() if k in persistent}
+    return {k: v for k, v in targets.items() if k in persistent}
 
+
+def match_tensors(
+    model: nn.Module, config: ModelConfig, source: Iterable[tuple]
+) -> list[tuple[str, str, Callable[[], torch.Tensor]]]:
+    """``(module path, checkpoint key, load)`` for every tensor of ``source`` the model takes.
+
+    Reads names and shapes only (``model`` may be on the meta device): every parameter and buffer
+    must be covered once, with its shape, and every checkpoint tensor must have a place.
+    """
+    targets = _targets(model)
+    plan: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
     loaded: dict[str, str] = {}
     unexpected: list[str] = []
     for key, load, shape, _ in source:
@@ -174,16 +243,12 @@ def load_into(
             continue
         if name in loaded:
             raise CheckpointError(f"tensor {key} appears twice in the checkpoint (also as {loaded[name]})")
-        if tuple(target.shape) != shape:
+        if tuple(target.shape) != tuple(shape):
             raise CheckpointError(
                 f"tensor {key} has shape {list(shape)} but the config implies {list(target.shape)} for {name}"
             )
-        tensor = load()
-        with torch.no_grad():
-            target.copy_(tensor)
         loaded[name] = key
-        progress(tensor.numel() * tensor.element_size())
-        del tensor
+        plan.append((name, key, load))
 
     if unexpected:
         raise CheckpointError(
@@ -198,3 +263,19 @@ def load_into(
             + ", ".join(missing[:8])
             + (" ..." if len(missing) > 8 else "")
         )
+    return plan
+
+
+def fill(
+    model: nn.Module,
+    plan: list[tuple[str, str, Callable[[], torch.Tensor]]],
+    progress: Callable[[str], None] = lambda key: None,
+) -> None:
+    """Read each tensor of ``match_tensors``' plan into ``model`` (allocated), one at a time."""
+    targets = _targets(model)
+    for name, key, load in plan:
+        tensor = load()
+        with torch.no_grad():
+            targets[name].copy_(tensor)
+        progress(key)
+        del tensor

@@ -7,6 +7,8 @@ says so.
 from __future__ import annotations
 
 import json
+import math
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,10 +25,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's safetensors files: ``model.safetensors`` or the shards of its index."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {err}") from err
+        weight_map = _weight_map(index)
         shards = list(dict.fromkeys(weight_map.values()))
         for shard in shards:
             if not (folder / shard).is_file():
@@ -51,9 +50,89 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file), each shard a plain path inside its folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index} is not valid JSON: {err}") from err
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file"
+        )
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] must be a shard file name, got {shard!r}")
+        # Shards sit beside the index: an absolute path or a '..' would read a file from elsewhere.
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise CheckpointError(
+                f"{index}: weight_map[{name!r}] = {shard!r} points outside the checkpoint folder"
+            )
+    return weight_map
+
+
+# safetensors' own limit on the JSON header (its MAX_HEADER_SIZE).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def check_header(path: Path) -> None:
+    """Check a safetensors file's header against the file itself, naming the file and the tensor.
+
+    The format: an 8-byte little-endian header length, a JSON object ``{name: {"dtype", "shape",
+    "data_offsets": [begin, end]}}``, then the data, offsets counted from its start.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file: {size} bytes, too short for a header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"{path}: the header claims {length:,} bytes but the file has {size - 8:,} after its length "
+                "field (truncated, or not a safetensors file?)"
+            )
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(
+            f"{path}: the header is not valid JSON ({err}); is this a safetensors file?"
+        ) from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is a JSON {type(header).__name__}, not an object")
+    data_bytes = size - 8 - length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: tensor {name}: header entry is not an object")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name}: shape {shape!r} is not a list of sizes")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise CheckpointError(
+                f"{path}: tensor {name}: data_offsets {offsets!r} lie outside the file's {data_bytes:,} bytes "
+                "of tensor data (truncated?)"
+            )
+        itemsize = ITEMSIZE.get(info.get("dtype"))
+        if itemsize is not None and offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+            raise CheckpointError(
+                f"{path}: tensor {name}: {info['dtype']} {shape} needs {math.prod(shape) * itemsize:,} bytes "
+                f"but data_offsets {offsets} span {offsets[1] - offsets[0]:,}"
+            )
+
+
 def read_safetensors(files: list[Path], stack: ExitStack) -> TensorSource:
     """Yield (name, load, shape, dtype) for every tensor, memory-mapped, loading on demand."""
     for path in files:
+        check_header(path)
         try:
             handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             keys = list(handle.keys())
@@ -84,13 +163,18 @@ ITEMSIZE = {
     "F64": 8,
     "F32": 4,
     "I64": 8,
+    "U64": 8,
     "I32": 4,
+    "U32": 4,
     "BF16": 2,
     "F16": 2,
     "I16": 2,
+    "U16": 2,
     "U8": 1,
     "I8": 1,
     "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
 
 
