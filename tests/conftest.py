@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from checkpoints import (  # noqa: E402
     randomize_,
     text_config,
 )
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The default run has two workers (pytest-xdist, one per core of the 2-core machines it is
+    # timed on): one torch thread each, or the two oversubscribe the cores and stall.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -177,7 +177,8 @@ def _check_media_files(args: argparse.Namespace) -> None:
         for path in args.audio:
             if not Path(path).expanduser().is_file():
                 raise CLIError(f"audio file not found: {path!r}")
-            load_audio(Path(path).expanduser())  # its errors name the file (and a missing soundfile)
+            # Reads the header and one frame: its errors name the file (and a missing soundfile).
+            load_audio(Path(path).expanduser(), max_frames=1)
 
 
 def _prepare(args: argparse.Namespace) -> None:

@@ -145,7 +145,8 @@ def describe(
     """Parameter counts and memory of a checkpoint, as a JSON-ready dict."""
     text = config.text
     context = context or text.max_position_embeddings
-    kv_dtype = dtype or {"float32": torch.float32, "float16": torch.float16}.get(
+    # A float16 checkpoint loads in float32 (float16 overflows Gemma's activations), its cache too.
+    kv_dtype = dtype or {"float32": torch.float32, "float16": torch.float32}.get(
         config.dtype or "", torch.bfloat16
     )
     towers = model_tensors(config)
