@@ -175,22 +175,26 @@ class RopeSpec:
     factor: float = 1.0
 
     def inv_freq(self) -> torch.Tensor:
-        """Inverse frequencies in float32, ``head_dim // 2`` entries, as the reference computes them."""
+        """Inverse frequencies in float32, ``head_dim // 2`` entries, as the reference computes them.
+
+        On the CPU whatever the default device: a model built on the meta device would otherwise
+        run these through torch's reference ops, which import torch._dynamo (seconds).
+        """
         if self.rope_type == "default":
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim
             inv = 1.0 / (self.theta**exponents)
         elif self.rope_type == "proportional":
             # Only the first `partial_rotary_factor` of the frequencies rotate; their exponents are
             # still over the full head_dim, and the remaining ones are zero (cos 1, sin 0).
             rotated = int(self.partial_rotary_factor * self.head_dim // 2)
-            exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / self.head_dim
+            exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
             inv = 1.0 / (self.theta**exponents)
             still = self.head_dim // 2 - rotated
             if still > 0:
-                inv = torch.cat((inv, torch.zeros(still, dtype=torch.float32)))
+                inv = torch.cat((inv, torch.zeros(still, dtype=torch.float32, device="cpu")))
         elif self.rope_type == "linear":
             # Position interpolation (Gemma 3's global layers): default frequencies / factor.
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
             inv = 1.0 / (self.theta**exponents)
         else:
             raise ConfigError(f"unsupported rope_type {self.rope_type!r}")

@@ -37,6 +37,12 @@ def text_norm(config: TextConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, plus_one=config.norm_plus_one)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialised: its values always come from a checkpoint, and
+    nn.Embedding's random init (normal_) on the meta device imports torch._dynamo (2.4 s)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 def rounded_scales(value: float) -> dict[torch.dtype, float]:
     """``value`` rounded to each float dtype: the reference keeps embedding scales as tensors of the
     weight dtype. Computed once, so a forward pass reads a constant (no tensor-to-float sync)."""
@@ -403,12 +409,12 @@ class TextModel(nn.Module):
                 f"unknown attention backend {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
             )
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = rounded_scales(config.hidden_size**0.5)
         if config.has_per_layer_inputs:
             n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
             # One packed table: row = [layer 0's P values | layer 1's | ...].
-            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, n * p)
+            self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * p)
             self.per_layer_embed_scale = rounded_scales(p**0.5)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)

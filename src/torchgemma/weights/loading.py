@@ -111,7 +111,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: 
     stored = {
         name: sum(checkpoint._gguf[s].n_bytes for s in checkpoint._entry(name).sources) for name in names
     }
-    return _build(config, dtype, device, attention, tensors, stored, path.name)
+    # Dequantized tensors are fresh memory of the model's dtype: the model adopts them, uncopied.
+    return _build(config, dtype, device, attention, tensors, stored, path.name, adopt=True)
 
 
 def _build(
@@ -122,6 +123,7 @@ def _build(
     tensors: list[tuple],
     stored: dict[str, int],
     label: str,
+    adopt: bool = False,
 ) -> Gemma:
     """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name."""
     with torch.device("meta"):
@@ -129,9 +131,11 @@ def _build(
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
     plan = match_tensors(model, config, tensors)
     # Allocate once, directly in the target dtype and device; loading fills it in place.
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # (to_empty would do, but empty_like of a meta tensor runs torch's Python reference ops, which
+    # import half a second of modules; a plain factory call does not.)
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
-        fill(model, plan, lambda key: bar.update(stored[key]))
+        fill(model, plan, lambda key: bar.update(stored[key]), adopt=adopt)
     return model.eval()
 
 
@@ -270,12 +274,22 @@ def fill(
     model: nn.Module,
     plan: list[tuple[str, str, Callable[[], torch.Tensor]]],
     progress: Callable[[str], None] = lambda key: None,
+    adopt: bool = False,
 ) -> None:
-    """Read each tensor of ``match_tensors``' plan into ``model`` (allocated), one at a time."""
+    """Read each tensor of ``match_tensors``' plan into ``model`` (allocated), one at a time.
+
+    ``adopt``: the loaded tensors are new memory no one else holds (not views of a mapped file), so
+    one that already has the parameter's dtype, device and layout becomes its storage, uncopied.
+    """
     targets = _targets(model)
     for name, key, load in plan:
         tensor = load()
+        target = targets[name]
+        same = (tensor.dtype, tensor.device, tensor.shape) == (target.dtype, target.device, target.shape)
         with torch.no_grad():
-            targets[name].copy_(tensor)
+            if adopt and same and tensor.is_contiguous():
+                target.data = tensor
+            else:
+                target.copy_(tensor)
         progress(key)
         del tensor
