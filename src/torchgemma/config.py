@@ -174,27 +174,32 @@ class RopeSpec:
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
 
-    def inv_freq(self) -> torch.Tensor:
-        """Inverse frequencies in float32, ``head_dim // 2`` entries, as the reference computes them.
+    def inv_freq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Inverse frequencies, ``head_dim // 2`` entries, as the reference computes them: in float32
+        (``dtype``: float64 for a float64 model, which computes without float32 steps).
 
         On the CPU whatever the default device: a model built on the meta device would otherwise
         run these through torch's reference ops, which import torch._dynamo (seconds).
         """
         if self.rope_type == "default":
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim
+            exponents = torch.arange(0, self.head_dim, 2, dtype=dtype, device="cpu") / self.head_dim
             inv = 1.0 / (self.theta**exponents)
         elif self.rope_type == "proportional":
             # Only the first `partial_rotary_factor` of the frequencies rotate; their exponents are
             # still over the full head_dim, and the remaining ones are zero (cos 1, sin 0).
             rotated = int(self.partial_rotary_factor * self.head_dim // 2)
-            exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+            exponents = (
+                torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").to(dtype) / self.head_dim
+            )
             inv = 1.0 / (self.theta**exponents)
             still = self.head_dim // 2 - rotated
             if still > 0:
-                inv = torch.cat((inv, torch.zeros(still, dtype=torch.float32, device="cpu")))
+                inv = torch.cat((inv, torch.zeros(still, dtype=dtype, device="cpu")))
         elif self.rope_type == "linear":
             # Position interpolation (Gemma 3's global layers): default frequencies / factor.
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+            exponents = (
+                torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").to(dtype) / self.head_dim
+            )
             inv = 1.0 / (self.theta**exponents)
         else:
             raise ConfigError(f"unsupported rope_type {self.rope_type!r}")

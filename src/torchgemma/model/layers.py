@@ -27,15 +27,16 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        # float32 for bf16/fp32 as the reference; a float64 model stays float64.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         if self.plus_one:
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (normed * (1.0 + self.weight.float())).type_as(x)
+            return (normed * (1.0 + self.weight.to(xf.dtype))).type_as(x)
         # pow(., -0.5) rather than rsqrt: the reference chose it to agree with JAX, and rsqrt can
         # differ in the last ulp.
         normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.with_scale:
-            normed = normed * self.weight.float()
+            normed = normed * self.weight.to(xf.dtype)
         return normed.type_as(x)
 
 
@@ -90,9 +91,11 @@ def rope_cos_sin(
     """cos/sin tables ``(B, T, D)`` for integer ``positions`` ``(B, T)``.
 
     Angles are computed in float32 from float32 frequencies and only then rounded to the model
-    dtype; the rotation itself runs in the model dtype, as in the reference.
+    dtype; the rotation itself runs in the model dtype, as in the reference. A float64 model
+    computes them in float64 (from float64 frequencies).
     """
-    angles = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
+    compute = torch.promote_types(dtype, torch.float32)
+    angles = positions[..., None].to(compute) * inv_freq.to(compute)  # (B, T, D/2)
     angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

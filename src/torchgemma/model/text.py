@@ -48,7 +48,9 @@ def rounded_scales(value: float) -> dict[torch.dtype, float]:
     weight dtype. Computed once, so a forward pass reads a constant (no tensor-to-float sync)."""
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     # On the CPU explicitly: models are built under a meta-device context.
-    return {dtype: float(torch.tensor(value, device="cpu").to(dtype)) for dtype in dtypes}
+    scales = {dtype: float(torch.tensor(value, device="cpu").to(dtype)) for dtype in dtypes}
+    scales[torch.float64] = float(value)  # a float64 model keeps the exact value
+    return scales
 
 
 # ── attention ───────────────────────────────────────────────────────────────────────────────────
@@ -216,7 +218,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> weights (N, K) float32, expert ids (N, K)."""
         scores = self.proj(self.norm(x) * self.scale * self.root_size)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         weights, experts = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[experts], experts
@@ -358,7 +360,14 @@ class RotaryTables(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {t: rope_cos_sin(getattr(self, t), positions, dtype) for t in self.specs}
+        return {t: rope_cos_sin(self._table(t, dtype), positions, dtype) for t in self.specs}
+
+    def _table(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor:
+        table = getattr(self, layer_type)
+        if dtype != torch.float64:
+            return table
+        # A float64 model: frequencies computed in float64 (a few hundred values, per call).
+        return self.specs[layer_type].inv_freq(torch.float64).to(table.device)
 
 
 def allowed_keys(
