@@ -794,7 +794,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
     serve.set_defaults(func=cmd_serve, parser=serve, quiet=False, verbose=False)
+    debug = commands.add_parser(
+        "debug",
+        help="numerics debugging (trace: where a run first goes non-finite)",
+        description="Numerics debugging tools.",
+    )
+    tools = debug.add_subparsers(dest="tool", required=True)
+    trace = tools.add_parser(
+        "trace",
+        help="per-module statistics of one forward pass, stopping at the first non-finite output",
+        description="Run one forward pass over the prompt with a hook on every module: min, max, mean |x|, "
+        "NaN/inf counts and the dtype's headroom (its largest value over max |x|) of each output, stopping at "
+        "the first module whose output is not finite though its inputs were. --dtype fp16 loads the weights "
+        "in float32 and casts the model to float16 (which load refuses for running: this is how to see why).",
+    )
+    trace.add_argument("prompt", help="the text of the forward pass (raw, no chat template)")
+    trace.add_argument("--model", required=True, help="what generate's --model takes")
+    trace.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default: fp32)")
+    trace.add_argument("--attention", choices=["sdpa", "eager"], default="eager")
+    trace.add_argument("--last", type=_int_at_least(1), default=12, help="table rows to show (default: 12)")
+    trace.add_argument("--all", action="store_true", help="record every module; do not stop at the failure")
+    trace.add_argument("--json", action="store_true", help="print every record as JSON")
+    trace.set_defaults(func=cmd_debug_trace, parser=trace, command="debug trace")
     return parser
+
+
+def cmd_debug_trace(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .debug import format_trace, trace
+    from .tokenizer import load_tokenizer
+    from .weights.loading import load
+
+    dtype = resolve_dtype(args.dtype)
+    model = load(
+        args.model, dtype=torch.float32 if dtype == torch.float16 else dtype, attention=args.attention
+    )
+    if dtype == torch.float16:
+        model = model.to(torch.float16)  # refused by load for running; here to show where it breaks
+    tokenizer = load_tokenizer(args.model)
+    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    report = trace(model, ids, stop=not args.all)
+    if args.json:
+        rows = [
+            {**dataclasses.asdict(r), "dtype": str(r.dtype).removeprefix("torch.")} for r in report.records
+        ]
+        first = report.first_nonfinite.name if report.first_nonfinite else None
+        print(json.dumps({"first_nonfinite": first, "records": rows}))
+    else:
+        print(format_trace(report, last=args.last))
+    return 0
 
 
 # ---- serve -----------------------------------------------------------------------------------------
