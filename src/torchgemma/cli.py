@@ -190,22 +190,18 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def _progress_bars(shown: bool) -> Iterator[None]:
-    """Hide the loading and download progress bars for --quiet."""
+def _hub_progress_bars(shown: bool) -> Iterator[None]:
+    """Hide huggingface_hub's download bars for --quiet (the loader's bar is LLM's progress=)."""
     if shown:
         yield
         return
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    from .weights import loading
-
-    threshold, hub_bars = loading.PROGRESS_MIN_BYTES, not are_progress_bars_disabled()
-    loading.PROGRESS_MIN_BYTES = math.inf  # the loader shows a bar from this size on
+    hub_bars = not are_progress_bars_disabled()
     disable_progress_bars()
     try:
         yield
     finally:
-        loading.PROGRESS_MIN_BYTES = threshold
         if hub_bars:
             enable_progress_bars()
 
@@ -215,8 +211,14 @@ def _load_llm(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    with _progress_bars(not args.quiet):
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, attention=args.attention)
+    with _hub_progress_bars(not args.quiet):
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attention=args.attention,
+            progress=not args.quiet,
+        )
     if args.compile:
         from .acceleration import compile
 
@@ -810,7 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trace.add_argument("prompt", help="the text of the forward pass (raw, no chat template)")
     trace.add_argument("--model", required=True, help="what generate's --model takes")
-    trace.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default: fp32)")
+    trace.add_argument(
+        "--dtype", type=_dtype, default="fp32", help="fp32, bf16, fp16 or fp64 (default: fp32)"
+    )
     trace.add_argument("--attention", choices=["sdpa", "eager"], default="eager")
     trace.add_argument("--last", type=_int_at_least(1), default=12, help="table rows to show (default: 12)")
     trace.add_argument("--all", action="store_true", help="record every module; do not stop at the failure")

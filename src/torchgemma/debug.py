@@ -69,17 +69,6 @@ def _stats(name: str, tensor: torch.Tensor) -> ModuleStats:
     )
 
 
-def _first_tensor(value) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 def _float_tensors(values) -> list[torch.Tensor]:
     found = []
     for value in values if isinstance(values, (tuple, list)) else (values,):
@@ -101,9 +90,10 @@ def trace(model: nn.Module, input_ids: torch.Tensor, *, stop: bool = True, **for
 
     def hook(name):
         def record(module, args, output):
-            tensor = _first_tensor(output)
-            if tensor is None or not tensor.is_floating_point():
+            outputs = _float_tensors(output)
+            if not outputs:
                 return
+            tensor = outputs[0]
             stats = _stats(prefix + name, tensor)
             inputs = _float_tensors(args)
             stats.inputs_finite = all(bool(torch.isfinite(x).all()) for x in inputs)

@@ -118,9 +118,10 @@ class LLM:
         *,
         attention: str = "sdpa",
         max_soft_tokens: int | None = None,
+        progress: bool = True,
     ) -> None:
         folder = resolve_source(source)
-        self.model = load(folder, dtype=dtype, device=device, attention=attention)
+        self.model = load(folder, dtype=dtype, device=device, attention=attention, progress=progress)
         self.tokenizer = load_tokenizer(folder)
         self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)
         text = self.model.config.text

@@ -609,15 +609,7 @@ def create_app(
             "logprobs": {"content": outcome.logprobs} if prepared.logprobs else None,
             "finish_reason": outcome.finish_reason,
         }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "system_fingerprint": fingerprint,
-            "choices": [choice],
-            "usage": usage(prepared, outcome.tokens),
-        }
+        return response("chatcmpl", "chat.completion", choice, prepared, outcome.tokens)
 
     def completion_response(outcome: Outcome, prepared: Prepared) -> dict:
         choice = {
@@ -626,14 +618,18 @@ def create_app(
             "logprobs": completion_logprobs(outcome.logprobs) if prepared.logprobs else None,
             "finish_reason": outcome.finish_reason,
         }
+        return response("cmpl", "text_completion", choice, prepared, outcome.tokens)
+
+    def response(prefix: str, kind: str, choice: dict, prepared: Prepared, tokens: int) -> dict:
+        """A non-streamed reply: one choice, with the id, model, fingerprint and usage around it."""
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": model_name,
             "system_fingerprint": fingerprint,
             "choices": [choice],
-            "usage": usage(prepared, outcome.tokens),
+            "usage": usage(prepared, tokens),
         }
 
     def usage(prepared: Prepared, tokens: int) -> dict:

@@ -70,6 +70,7 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     attention: str = "sdpa",
+    progress: bool = True,
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -79,6 +80,8 @@ def load(
     memory-mapped one at a time into the built model, so memory peaks at the model plus its largest
     tensor. ``attention`` is the text decoder's backend: ``"sdpa"`` (fast, bounded memory) or
     ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is returned in eval mode.
+    A progress bar counts the bytes read when stderr is a terminal and the checkpoint is large;
+    ``progress=False`` never shows one.
     """
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
@@ -86,17 +89,17 @@ def load(
     path = resolve_source(source)
     device = torch.device(device or "cpu")
     if path.suffix == ".gguf":
-        return _load_gguf(path, requested or torch.float32, device, attention)
+        return _load_gguf(path, requested or torch.float32, device, attention, progress)
     config = ModelConfig.from_file(path)
     with ExitStack() as stack:
         tensors = list(read_safetensors(safetensors_files(path), stack))
         check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
         stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
         dtype = requested or _checkpoint_dtype(config, tensors)
-        return _build(config, dtype, device, attention, tensors, stored, path.name)
+        return _build(config, dtype, device, attention, tensors, stored, path.name if progress else None)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: str) -> Gemma:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: str, progress: bool) -> Gemma:
     from .gguf import read_gguf
 
     checkpoint = read_gguf(path)
@@ -112,7 +115,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: 
         name: sum(checkpoint._gguf[s].n_bytes for s in checkpoint._entry(name).sources) for name in names
     }
     # Dequantized tensors are fresh memory of the model's dtype: the model adopts them, uncopied.
-    return _build(config, dtype, device, attention, tensors, stored, path.name, adopt=True)
+    return _build(
+        config, dtype, device, attention, tensors, stored, path.name if progress else None, adopt=True
+    )
 
 
 def _build(
@@ -122,10 +127,11 @@ def _build(
     attention: str,
     tensors: list[tuple],
     stored: dict[str, int],
-    label: str,
+    label: str | None,
     adopt: bool = False,
 ) -> Gemma:
-    """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name."""
+    """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name;
+    ``label`` names the progress bar (None: no bar)."""
     with torch.device("meta"):
         model = Gemma(config, attention)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
@@ -139,10 +145,10 @@ def _build(
     return model.eval()
 
 
-def _progress(total: int, name: str) -> tqdm:
+def _progress(total: int, name: str | None) -> tqdm:
     # tqdm's disable=None does not check the stream in every version: a log file gets no bar.
     stream = sys.stderr
-    quiet = total < PROGRESS_MIN_BYTES or not getattr(stream, "isatty", lambda: False)()
+    quiet = name is None or total < PROGRESS_MIN_BYTES or not getattr(stream, "isatty", lambda: False)()
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}", file=stream, disable=quiet)
 
 
