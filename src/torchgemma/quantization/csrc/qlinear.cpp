@@ -1,0 +1,260 @@
+// Weight-only quantized matrix products on the CPU: float32 activations times grouped integer weights.
+//
+// A quantized weight W (N rows of K values) is stored as integers q with one float32 scale per group
+// of G consecutive values of a row, and optionally one float32 offset ("min") per group:
+//
+//     W[n, k] = scales[n, k / G] * q[n, k] + mins[n, k / G]
+//
+// bits 8: q is int8, (N, K).  bits 4: q is unsigned 0..15, two per byte, (N, K / 2); within each 32
+// values of a row, byte j holds value j in its low nibble and value j + 16 in its high nibble (the
+// layout of GGML's Q4 blocks, so that one 16-byte load and two masks give 32 values in order).
+//
+// The product never materialises W: per group it forms dot(x, q) in float32 and adds
+// scale * dot + min * sum(x), so a decode step reads each weight byte once. This is what makes
+// weight-only quantization fast on a CPU: batch-1 decode is bound by the bytes read per token.
+//
+// Registered as the CPU kernels of torchgemma::qlinear and torchgemma::dequantize, whose schemas
+// (and a pure-PyTorch kernel for every other device) are defined in Python
+// (torchgemma/quantization/kernels.py). Threads: ATen's pool, split over output rows.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TG_AVX2 1
+#endif
+
+namespace {
+
+// How many activation rows share one pass over a weight row (its integers are converted once).
+constexpr int64_t kRowBlock = 4;
+
+#ifdef TG_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 int8 values at p, as float32.
+inline __m256 load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 bytes (0..15 each) at lane offset `at` of a 16-byte vector, as float32.
+inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+// One weight row times MB activation rows, bits 8: out[m] = sum_g s_g * dot_g + min_g * xsum[m, g].
+template <int MB>
+inline void row_q8(const int8_t* q, const float* scales, int64_t K, int64_t G, const float* x,
+                   int64_t x_stride, float* acc_out) {
+  __m256 total[MB];
+  for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
+  const int64_t groups = K / G;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_ps();
+    const int64_t k0 = g * G;
+    for (int64_t k = k0; k < k0 + G; k += 8) {
+      const __m256 w = load_i8(q + k);
+      for (int m = 0; m < MB; ++m) dot[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * x_stride + k), dot[m]);
+    }
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    for (int m = 0; m < MB; ++m) total[m] = _mm256_fmadd_ps(s, dot[m], total[m]);
+  }
+  for (int m = 0; m < MB; ++m) acc_out[m] = hsum(total[m]);
+}
+
+// The same for bits 4 (G a multiple of 32).
+template <int MB>
+inline void row_q4(const uint8_t* q, const float* scales, int64_t K, int64_t G, const float* x,
+                   int64_t x_stride, float* acc_out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 total[MB];
+  for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
+  const int64_t groups = K / G;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+      const __m128i lo = _mm_and_si128(packed, low);                     // values k .. k+15
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);  // values k+16 .. k+31
+      const __m256 w[4] = {widen_u8(lo), widen_u8(_mm_srli_si128(lo, 8)), widen_u8(hi),
+                           widen_u8(_mm_srli_si128(hi, 8))};
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * x_stride + k;
+        for (int j = 0; j < 4; ++j) dot[m] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), dot[m]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    for (int m = 0; m < MB; ++m) total[m] = _mm256_fmadd_ps(s, dot[m], total[m]);
+  }
+  for (int m = 0; m < MB; ++m) acc_out[m] = hsum(total[m]);
+}
+
+#endif  // TG_AVX2
+
+// Portable versions (any CPU): the same sums, left to the compiler to vectorise.
+inline int q_at(const int8_t* q, int64_t k) { return q[k]; }
+inline int q_at(const uint8_t* q, int64_t k) {
+  const int64_t base = k & ~int64_t(31), j = k & 31;
+  const uint8_t byte = q[base / 2 + (j & 15)];
+  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+template <typename Q>
+inline void row_portable(const Q* q, const float* scales, int64_t K, int64_t G, const float* x,
+                         int64_t x_stride, int64_t rows, float* acc_out) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * x_stride;
+    float total = 0.f;
+    for (int64_t g = 0; g < K / G; ++g) {
+      float dot = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += xm[k] * static_cast<float>(q_at(q, k));
+      total += scales[g] * dot;
+    }
+    acc_out[m] = total;
+  }
+}
+
+// MB activation rows against one weight row, by the best path the build has.
+template <typename Q>
+inline void row_dot(const Q* q, const float* scales, int64_t K, int64_t G, const float* x, int64_t x_stride,
+                    int64_t rows, float* acc_out) {
+#ifdef TG_AVX2
+  constexpr bool four = sizeof(Q) == 1 && std::is_same<Q, uint8_t>::value;
+  auto run = [&](auto tag) {
+    constexpr int MB = decltype(tag)::value;
+    if constexpr (four) {
+      row_q4<MB>(q, scales, K, G, x, x_stride, acc_out);
+    } else {
+      row_q8<MB>(q, scales, K, G, x, x_stride, acc_out);
+    }
+  };
+  switch (rows) {
+    case 4: run(std::integral_constant<int, 4>{}); return;
+    case 3: run(std::integral_constant<int, 3>{}); return;
+    case 2: run(std::integral_constant<int, 2>{}); return;
+    default: run(std::integral_constant<int, 1>{}); return;
+  }
+#else
+  row_portable(q, scales, K, G, x, x_stride, rows, acc_out);
+#endif
+}
+
+void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                  int64_t bits, int64_t group, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qlinear: qweight must be a contiguous 2-D tensor");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "qlinear: qweight of bits ", bits,
+              " must be ", bits == 8 ? "int8" : "uint8", ", got ", qweight.scalar_type());
+  TORCH_CHECK(group > 0 && K % group == 0 && group % (bits == 8 ? 8 : 32) == 0, "qlinear: group size ", group,
+              " does not divide ", K, " values into whole blocks of ", bits == 8 ? 8 : 32);
+  const int64_t N = qweight.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group,
+              "qlinear: scales must be float32 (", N, ", ", K / group, "), got ", scales.sizes());
+  if (mins) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "qlinear: mins must be float32 of the scales' shape ", scales.sizes(), ", got ", mins->sizes());
+  }
+}
+
+int64_t in_features(const at::Tensor& qweight, int64_t bits) { return qweight.size(1) * (bits == 4 ? 2 : 1); }
+
+// x (M, K) float32 -> (M, N) float32.
+at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, mins, bits, group, K);
+  TORCH_CHECK(x_in.size(-1) == K, "qlinear: input has ", x_in.size(-1), " features, the weight takes ", K);
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = qweight.size(0), groups = K / group;
+  at::Tensor out = at::empty({M, N}, x.options());
+
+  // Offsets enter as min_g * sum(x over group g): those sums are computed once per call.
+  at::Tensor xsum;
+  if (mins) xsum = x.view({M, groups, group}).sum(-1).contiguous();  // (M, groups)
+
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  const float* xs = mins ? xsum.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = qweight.size(1);
+  const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+
+  // Enough rows per task that a thread streams a long run of weights.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float acc[kRowBlock];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qrow = qp + n * row_bytes;
+      const float* srow = sp + n * groups;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - m0);
+        if (bits == 8) {
+          row_dot(reinterpret_cast<const int8_t*>(qrow), srow, K, group, xp + m0 * K, K, rows, acc);
+        } else {
+          row_dot(qrow, srow, K, group, xp + m0 * K, K, rows, acc);
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          float y = acc[m];
+          if (mp) {
+            const float* mrow = mp + n * groups;
+            const float* xsm = xs + (m0 + m) * groups;
+            for (int64_t g = 0; g < groups; ++g) y += mrow[g] * xsm[g];
+          }
+          op[(m0 + m) * N + n] = y;
+        }
+      }
+    }
+  });
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+// The float32 weight (N, K): scales * q (+ mins), the operations and order of GGML's dequantizers.
+at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, mins, bits, group, K);
+  const int64_t N = qweight.size(0), groups = K / group, row_bytes = qweight.size(1);
+  at::Tensor out = at::empty({N, K}, scales.options());
+  const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qrow = qp + n * row_bytes;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t g = k / group;
+        const float q = bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k])
+                                  : static_cast<float>(q_at(qrow, k));
+        float w = sp[n * groups + g] * q;
+        if (mp) w = w + mp[n * groups + g];
+        op[n * K + k] = w;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
+  m.impl("qlinear", &qlinear_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+}

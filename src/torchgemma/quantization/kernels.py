@@ -1,0 +1,177 @@
+"""The quantized matrix product as torch operators, and the C++ kernels behind them on the CPU.
+
+Two operators, defined here with ``torch.library`` so that ``torch.compile`` sees one opaque node
+per quantized layer (their shapes come from the fake kernels below):
+
+    torch.ops.torchgemma.qlinear(x, qweight, scales, mins, bits, group_size)   # x @ W.T, float32
+    torch.ops.torchgemma.dequantize(qweight, scales, mins, bits, group_size)   # W, float32 (N, K)
+
+with ``W[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G]`` (layout: ``csrc/qlinear.cpp``).
+
+Every device gets a pure-PyTorch kernel (dequantize, then ``F.linear``): correct everywhere, but it
+reads float32 weights, so it is no faster than the unquantized model. On the CPU the C++ kernels
+(``csrc/qlinear.cpp``: AVX2/FMA where the CPU has them, portable loops otherwise) read only the
+quantized bytes. They are built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja; about a minute, cached under ``~/.cache/torch_extensions``). Without a compiler the
+pure-PyTorch kernel is used and ``kernel_status()`` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = Path(__file__).parent / "csrc" / "qlinear.cpp"
+
+_LIBRARY = torch.library.Library("torchgemma", "DEF")
+_LIBRARY.define(
+    "qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
+)
+_LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor")
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers of a quantized weight, one per value: int8 (bits 8) or 0..15 (bits 4), (N, K)."""
+    if bits == 8:
+        return qweight
+    n, half = qweight.shape
+    blocks = qweight.view(n, half // 16, 16)  # 16 bytes hold 32 values: low nibbles first
+    return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).view(n, 2 * half)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``unpack``'s inverse: (N, K) integers -> the stored layout."""
+    if bits == 8:
+        return q.to(torch.int8).contiguous()
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // 32, 32)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _dequantize_reference(qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
+    """Float32 weights on any device: scales * q, then + mins (never fused), as GGML's dequantizers."""
+    q = unpack(qweight, bits).to(torch.float32)
+    n, k = q.shape
+    w = q.view(n, k // group_size, group_size) * scales[..., None]
+    if mins is not None:
+        w = w + mins[..., None]
+    return w.view(n, k)
+
+
+def _qlinear_reference(x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
+    return F.linear(x.to(torch.float32), _dequantize_reference(qweight, scales, mins, bits, group_size))
+
+
+def _check(qweight, scales, bits: int, group_size: int) -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    k = qweight.shape[1] * (2 if bits == 4 else 1)
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide the {k} input features")
+    return k
+
+
+@torch.library.register_fake("torchgemma::qlinear")
+def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
+    k = _check(qweight, scales, bits, group_size)
+    if x.shape[-1] != k:
+        raise ValueError(f"qlinear: input has {x.shape[-1]} features, the weight takes {k}")
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.register_fake("torchgemma::dequantize")
+def _dequantize_fake(qweight, scales, mins, bits, group_size):
+    k = _check(qweight, scales, bits, group_size)
+    return scales.new_empty((qweight.shape[0], k), dtype=torch.float32)
+
+
+# Every backend's default; the C++ library, once loaded, registers CPU kernels that take precedence.
+_LIBRARY.impl("qlinear", _qlinear_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("dequantize", _dequantize_reference, "CompositeExplicitAutograd")
+
+
+# ── building the C++ kernels ───────────────────────────────────────────────────────────────────
+
+_lock = threading.Lock()
+_status: str | None = None  # None: not tried yet
+_built = False
+
+
+def _cpu_flags() -> list[str]:
+    """Compiler flags for the instruction sets this CPU has (the build is cached per flag set)."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    if capability in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+
+
+def ensure_kernels() -> bool:
+    """Build (once per machine and flag set) and load the C++ CPU kernels; False if they cannot be.
+
+    The reason for a False is in ``kernel_status()``, and is warned about once.
+    """
+    global _status, _built
+    if _status is not None:
+        return _built
+    with _lock:
+        if _status is not None:
+            return _built
+        if _compiler() is None:
+            _status = (
+                "no C++ compiler found (looked for $CXX, c++, g++, clang++): quantized layers run on the "
+                "pure-PyTorch kernel, which dequantizes every weight on every call; install one (e.g. "
+                "`apt-get install g++`, or Xcode's command line tools) for the fast CPU kernels"
+            )
+        elif shutil.which("ninja") is None:
+            _status = (
+                "ninja is not installed (`pip install ninja`): the C++ kernels cannot be built; quantized "
+                "layers run on the pure-PyTorch kernel"
+            )
+        else:
+            try:
+                _build()
+                _built = True
+                flags = " ".join(_cpu_flags()) or "portable loops"
+                _status = f"C++ CPU kernels loaded ({flags})"
+            except Exception as err:  # a failed build leaves the reference kernel working
+                first = str(err).strip().splitlines()
+                _status = (
+                    "building the C++ kernels failed, quantized layers run on the pure-PyTorch kernel: "
+                    + (first[-1] if first else type(err).__name__)
+                )
+        if not _built:
+            warnings.warn(f"torchgemma: {_status}", RuntimeWarning, stacklevel=3)
+        return _built
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    flags = _cpu_flags()
+    # The name carries the flag set: a cache shared by machines of different CPUs keeps both builds.
+    name = "torchgemma_qlinear" + ("_avx2" if flags else "_portable")
+    load(
+        name=name,
+        sources=[str(_SOURCE)],
+        # -ffp-contract=off: dequantize computes scale * q, then + min, as GGML does, never fused.
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def kernel_status() -> str:
+    """What runs quantized products on the CPU: the C++ kernels, or why the fallback is used."""
+    ensure_kernels()
+    return _status or ""
