@@ -342,6 +342,11 @@ class ModelConfig:
     # The towers the model builds (None when config.json has none).
     vision_config: VisionConfig | None = None
     audio_config: AudioConfig | None = None
+    # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
+    # has_mins}}} (config.json's "quantization_config", quant_method "torchgemma").
+    quantization: dict | None = None
+    # The config.json dict this was built from, kept to write it out again (torchgemma.save).
+    source: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -411,7 +416,36 @@ class ModelConfig:
             dtype=dtype,
             vision_config=None if vision is None else _vision_config_from_hf(vision),
             audio_config=None if audio is None else _audio_config_from_hf(audio),
+            quantization=_quantization_from_hf(data.get("quantization_config")),
+            source=data,
         )
+
+
+def _quantization_from_hf(data: Any) -> dict | None:
+    """config.json's ``quantization_config``: only torchgemma's own (``torchgemma.save``) is read."""
+    if data is None:
+        return None
+    method = data.get("quant_method") if isinstance(data, dict) else None
+    if method != "torchgemma":
+        raise ConfigError(
+            f"quantization_config with quant_method {method!r} is not supported: torchgemma loads "
+            "full-precision checkpoints (quantize with torchgemma.load(..., quantize=...)), GGUF files "
+            "and checkpoints saved by torchgemma.save"
+        )
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not all(
+        isinstance(spec, dict)
+        and spec.get("bits") in (4, 8)
+        and isinstance(spec.get("group_size"), int)
+        and spec["group_size"] > 0
+        and isinstance(spec.get("has_mins"), bool)
+        for spec in layers.values()
+    ):
+        raise ConfigError(
+            "quantization_config.layers must map module names to {bits: 4 or 8, group_size: int > 0, "
+            "has_mins: bool}"
+        )
+    return {"mode": str(data.get("mode", "")), "layers": layers}
 
 
 def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:

@@ -46,11 +46,11 @@ class Gemma(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
+        return self.language_model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
+        return self.language_model.dtype
 
     @property
     def attention(self) -> str:

@@ -37,10 +37,18 @@ def text_norm(config: TextConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, plus_one=config.norm_plus_one)
 
 
-def _embedding(rows: int, dim: int) -> nn.Embedding:
+class Embedding(nn.Embedding):
+    """A token table; the tied LM head reads it as a linear layer (``as_linear``), so that a
+    quantized table (``torchgemma.quantize``) can serve both uses."""
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _embedding(rows: int, dim: int) -> Embedding:
     """An embedding table left uninitialised: its values always come from a checkpoint, and
     nn.Embedding's random init (normal_) on the meta device imports torch._dynamo (2.4 s)."""
-    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
 def rounded_scales(value: float) -> dict[torch.dtype, float]:
@@ -437,6 +445,11 @@ class TextModel(nn.Module):
     def attention(self) -> str:
         return self.layers[0].self_attn.backend
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the decoder computes in (its norms' weights: never quantized)."""
+        return self.norm.weight.dtype
+
     def set_attention(self, backend: str) -> None:
         """Switch every layer to another attention backend (``"eager"`` or ``"sdpa"``)."""
         if backend not in ATTENTION_BACKENDS:
@@ -449,15 +462,14 @@ class TextModel(nn.Module):
     # ── embeddings and head ──────────────────────────────────────────────────────────────────
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        return self.embed_tokens(input_ids) * self.embed_scale[weight.dtype]
+        return self.embed_tokens(input_ids) * self.embed_scale[self.dtype]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """(B, T, L, P): the token's own per-layer vector plus a projection of its context embedding."""
         cfg = self.config
         shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         table = self.embed_tokens_per_layer
-        token_part = table(input_ids) * self.per_layer_embed_scale[table.weight.dtype]
+        token_part = table(input_ids) * self.per_layer_embed_scale[self.dtype]
         context = self.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + token_part.reshape(shape)) * 2.0**-0.5
@@ -465,8 +477,8 @@ class TextModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head (tied to the embeddings unless the checkpoint has its own), soft-cap."""
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        tied = self.config.tie_word_embeddings
+        logits = self.embed_tokens.as_linear(hidden) if tied else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -582,7 +594,7 @@ class TextModel(nn.Module):
         cfg = self.config
         batch, length = input_ids.shape
         device = input_ids.device
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.dtype
         if step is None:
             # Positions count real tokens only (left padding gets position 0), as generate() does.
             positions = torch.arange(length, device=device)[None].expand(batch, length)

@@ -36,10 +36,13 @@ from gguf.quants import quant_shape_to_byte_shape
 __all__ = [
     "GGUFCheckpoint",
     "GGUFError",
+    "GroupedInts",
+    "INT_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "check_metadata_types",
     "dequantize",
+    "grouped_ints",
     "read_gguf",
     "read_gguf_metadata",
 ]
@@ -629,6 +632,118 @@ _DECODERS = {
 
 
 # --------------------------------------------------------------------------------------------------
+# Blocks kept quantized: integers, a float32 scale per group and maybe a float32 offset per group, so
+# that scale * q (+ offset) is, to the bit, what the decoders above compute (the same float32
+# products, then the same sum: "- dmin * m" is "+ (-(dmin * m))"). torchgemma.quantization reads
+# this layout: 8-bit values as int8; 4-bit values two per byte, within each 32 values byte j holding
+# value j (low nibble) and value j + 16 (high nibble), which is Q4_0/Q4_1's own packing.
+
+
+@dataclass(frozen=True)
+class GroupedInts:
+    """A quantized (N, K) tensor: W = scales * q + mins, per group of ``group_size`` values of a row."""
+
+    bits: int
+    group_size: int
+    qweight: torch.Tensor  # int8 (N, K) or uint8 (N, K / 2)
+    scales: torch.Tensor  # float32 (N, K / group_size)
+    mins: torch.Tensor | None
+
+
+def _pack4(q: np.ndarray) -> np.ndarray:
+    """(n, 32) values 0..15 -> (n, 16) bytes: value j low, value j + 16 high."""
+    return q[:, :16] | (q[:, 16:] << np.uint8(4))
+
+
+def _ints_q8_0(b):
+    return 8, 32, b[:, 2:].view(np.int8), _half(b, 0), None
+
+
+def _ints_q5_0(b):
+    q = _fifth_bits(b[:, 2:6], b[:, 6:]).view(np.int8) - np.int8(16)
+    return 8, 32, q, _half(b, 0), None
+
+
+def _ints_q5_1(b):
+    return 8, 32, _fifth_bits(b[:, 4:8], b[:, 8:]).view(np.int8), _half(b, 0), _half(b, 2)
+
+
+def _ints_q4_0(b):
+    # (q - 8) * d = d * q + (-8 d) exactly: both products fit float32's 24 bits (11-bit d, 4-bit q).
+    d = _half(b, 0)
+    return 4, 32, b[:, 2:], d, d * np.float32(-8)
+
+
+def _ints_q4_1(b):
+    return 4, 32, b[:, 4:], _half(b, 0), _half(b, 2)
+
+
+def _k4_scales(b) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: (n, 8) float32 scales d * scale and offsets -(dmin * min) (see _decode_k4)."""
+    n = len(b)
+    packed = b[:, 4:16].reshape(n, 3, 4)
+    d, m, both = packed[:, 0], packed[:, 1], packed[:, 2]
+    scale = np.concatenate([d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    least = np.concatenate([m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return _half(b, 0) * scale, -(_half(b, 2) * least)
+
+
+def _ints_q4_k(b):
+    scales, mins = _k4_scales(b)
+    return 4, 32, _pack4(_k_nibbles(b[:, 16:144]).reshape(-1, 32)), scales, mins
+
+
+def _ints_q5_k(b):
+    q = _k_nibbles(b[:, 48:176])
+    q |= _bits(b[:, 16:48], 8) << np.uint8(4)
+    scales, mins = _k4_scales(b)
+    return 8, 32, q.view(np.int8), scales, mins
+
+
+def _ints_q6_k(b):
+    n = len(b)
+    scales = _half(b, 208) * b[:, 192:208].view(np.int8)
+    low = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFT_2) & 3
+    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).view(np.int8) - np.int8(32)
+    return 8, 16, q, scales, None
+
+
+_INTS = {
+    _T.Q8_0: _ints_q8_0, _T.Q5_0: _ints_q5_0, _T.Q5_1: _ints_q5_1, _T.Q4_0: _ints_q4_0,
+    _T.Q4_1: _ints_q4_1, _T.Q4_K: _ints_q4_k, _T.Q5_K: _ints_q5_k, _T.Q6_K: _ints_q6_k,
+}  # fmt: skip
+# The GGML types read as grouped integers, with (bits, group size, offsets?); the others (floats,
+# Q2_K, Q3_K, the IQ types) are not.
+INT_TYPES: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
+    _T.Q8_0: (8, 32, False), _T.Q5_0: (8, 32, False), _T.Q5_1: (8, 32, True), _T.Q4_0: (4, 32, True),
+    _T.Q4_1: (4, 32, True), _T.Q4_K: (4, 32, True), _T.Q5_K: (8, 32, True), _T.Q6_K: (8, 16, False),
+}  # fmt: skip
+
+
+def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GroupedInts:
+    """A 2-D tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``)."""
+    if qtype not in _INTS or len(shape) != 2:
+        raise GGUFError(f"{qtype.name} tensors of shape {list(shape)} are not read as grouped integers")
+    rows, cols = shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if cols % block or raw.size != rows * cols // block * type_size:
+        raise GGUFError(f"{raw.size} bytes of {qtype.name} data do not hold a tensor of shape {list(shape)}")
+    blocks = raw.reshape(-1, type_size)
+    bits, group, q, scales, mins = _INTS[qtype](blocks)
+    width = cols if bits == 8 else cols // 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        return GroupedInts(
+            bits,
+            group,
+            torch.from_numpy(np.ascontiguousarray(q).reshape(rows, width)),
+            torch.from_numpy(np.ascontiguousarray(scales, np.float32).reshape(rows, cols // group)),
+            None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, np.float32).reshape(rows, -1)),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
 # Tensor names: GGUF -> Hugging Face
 
 # Per-layer names llama.cpp gives Gemma 3 and Gemma 4 tensors (gguf.constants.TENSOR_NAMES /
@@ -740,6 +855,22 @@ class GGUFCheckpoint:
     def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One tensor, dequantized, in Hugging Face layout and semantics, cast to ``dtype``."""
         return self._load(self._entry(hf_name), dtype)
+
+    def int_format(self, hf_name: str) -> tuple[int, int, bool] | None:
+        """(bits, group size, offsets?) if ``grouped_ints`` reads the tensor, else None: its type is
+        not in ``INT_TYPES``, or it needs a conversion (split experts, Gemma 3's shifted norms)."""
+        entry = self._entry(hf_name)
+        info = self._gguf[entry.sources[0]]
+        if len(entry.sources) != 1 or entry.shift_norm or len(info.shape) != 2:
+            return None
+        return INT_TYPES.get(info.qtype)
+
+    def grouped_ints(self, hf_name: str) -> GroupedInts:
+        """One tensor as the file stores it, for the tensors ``int_format`` accepts."""
+        if self.int_format(hf_name) is None:
+            raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
+        info = self._gguf[self._entry(hf_name).sources[0]]
+        return grouped_ints(self._file.raw(info), info.qtype, info.shape)
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` for every checkpoint tensor, one dequantized tensor at a time.

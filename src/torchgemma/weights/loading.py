@@ -22,8 +22,10 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, ModelConfig
 from ..model import Gemma
 from ..model.text import ATTENTION_BACKENDS
+from ..quantization import MODES, Format, QuantizedWeight, mode_format, quantizable, quantized_shell, replace_module
+from ..quantization import ensure_kernels
 from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
-from .source import CheckpointError, resolve_source
+from .source import SHORTCUT_QUANTIZATION, CheckpointError, resolve_source
 
 DTYPES = {
     "float32": torch.float32,
@@ -71,6 +73,7 @@ def load(
     device: torch.device | str | None = None,
     attention: str = "sdpa",
     progress: bool = True,
+    quantize: str | None = "auto",
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -82,24 +85,43 @@ def load(
     ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is returned in eval mode.
     A progress bar counts the bytes read when stderr is a terminal and the checkpoint is large;
     ``progress=False`` never shows one.
+
+    ``quantize`` quantizes the text decoder's weights while loading, one tensor at a time, so memory
+    peaks near the quantized size (see ``torchgemma.quantization``): ``"int8"``, ``"int4"``, or, for a
+    GGUF file, ``"gguf"`` (each tensor kept at the file's own precision, no full-precision copy).
+    ``"auto"`` (the default) is ``"gguf"`` for the named model ``gemma3-270m`` and no quantization
+    otherwise; None never quantizes. A checkpoint saved quantized by ``torchgemma.save`` loads as saved.
     """
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     requested = model_dtype(dtype)
+    if quantize == "auto":
+        local = Path(str(source)).expanduser().exists()
+        quantize = None if local else SHORTCUT_QUANTIZATION.get(str(source))
+    if quantize is not None and quantize not in MODES:
+        raise ValueError(f"unknown quantization {quantize!r}; use one of {', '.join(MODES)}, 'auto' or None")
     path = resolve_source(source)
     device = torch.device(device or "cpu")
     if path.suffix == ".gguf":
-        return _load_gguf(path, requested or torch.float32, device, attention, progress)
+        return _load_gguf(path, requested or torch.float32, device, attention, progress, quantize)
+    if quantize == "gguf":
+        raise ValueError(f'quantize="gguf" keeps a GGUF file\'s blocks, and {path} is not a .gguf file')
     config = ModelConfig.from_file(path)
+    if config.quantization is not None and quantize is not None:
+        raise ValueError(f"{path} is already quantized ({config.quantization['mode']}): load it without quantize")
     with ExitStack() as stack:
         tensors = list(read_safetensors(safetensors_files(path), stack))
         check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
         stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
         dtype = requested or _checkpoint_dtype(config, tensors)
-        return _build(config, dtype, device, attention, tensors, stored, path.name if progress else None)
+        return _build(
+            config, dtype, device, attention, tensors, stored, path.name if progress else None, quantize=quantize
+        )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: str, progress: bool) -> Gemma:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, attention: str, progress: bool, quantize: str | None
+) -> Gemma:
     from .gguf import read_gguf
 
     checkpoint = read_gguf(path)
@@ -116,7 +138,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, attention: 
     }
     # Dequantized tensors are fresh memory of the model's dtype: the model adopts them, uncopied.
     return _build(
-        config, dtype, device, attention, tensors, stored, path.name if progress else None, adopt=True
+        config,
+        dtype,
+        device,
+        attention,
+        tensors,
+        stored,
+        path.name if progress else None,
+        adopt=True,
+        quantize=quantize,
+        gguf=checkpoint if quantize == "gguf" else None,
     )
 
 
@@ -129,20 +160,78 @@ def _build(
     stored: dict[str, int],
     label: str | None,
     adopt: bool = False,
+    quantize: str | None = None,
+    gguf=None,
 ) -> Gemma:
     """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name;
-    ``label`` names the progress bar (None: no bar)."""
+    ``label`` names the progress bar (None: no bar). ``quantize``: a mode of
+    ``torchgemma.quantization`` applied while filling (``gguf``: the checkpoint, for mode "gguf")."""
     with torch.device("meta"):
-        model = Gemma(config, attention)
+        model = Gemma(config, attention).to(dtype=dtype)
+    if config.quantization is not None:  # saved quantized: the checkpoint holds qweight/scales/mins
+        for name, spec in config.quantization["layers"].items():
+            with torch.device("meta"):
+                shell = quantized_shell(_module(model, name), Format(**spec), dtype)
+            replace_module(model, name, shell)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
     plan = match_tensors(model, config, tensors)
+    layers = dict(config.quantization["layers"]) if config.quantization else {}
+    if quantize is not None:
+        plan, chosen = _quantize_plan(model, plan, quantize, gguf)
+        for name, fmt in chosen.items():
+            with torch.device("meta"):
+                shell = quantized_shell(model.get_submodule(name), fmt, dtype)
+            replace_module(model, name, shell)
+            layers[name] = fmt.as_dict()
     # Allocate once, directly in the target dtype and device; loading fills it in place.
     # (to_empty would do, but empty_like of a meta tensor runs torch's Python reference ops, which
     # import half a second of modules; a plain factory call does not.)
-    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
         fill(model, plan, lambda key: bar.update(stored[key]), adopt=adopt)
+    if layers:
+        mode = quantize or config.quantization["mode"]
+        model.quantization = {"mode": mode, "layers": layers}
+        if device.type == "cpu":
+            ensure_kernels()
     return model.eval()
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise CheckpointError(f"quantization_config names {name}, which the model has not") from None
+
+
+def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict[str, Format]]:
+    """Which modules ``mode`` quantizes, in which format, and the plan with their loads.
+
+    "int8"/"int4": every quantizable module, its float weight quantized when it is read. "gguf": the
+    modules whose tensor the file stores as grouped integers, read as such (others stay float).
+    """
+    targets = dict(quantizable(model))
+    chosen: dict[str, Format] = {}
+    new_plan = []
+    for name, key, load in plan:
+        module_name = name.removesuffix(".weight")
+        module = targets.get(module_name) if name.endswith(".weight") else None
+        if module is not None:
+            features = module.weight.shape[1]
+            if mode == "gguf":
+                spec = gguf.int_format(key)
+                if spec is not None:
+                    chosen[module_name] = Format(*spec)
+                    load = partial(gguf.grouped_ints, key)
+            else:
+                fmt = mode_format(mode, None, features)
+                try:
+                    fmt.check(features, module_name)
+                except ValueError as err:
+                    raise ValueError(f"cannot quantize {module_name} to {mode}: {err}") from None
+                chosen[module_name] = fmt
+        new_plan.append((name, key, load))
+    return new_plan, chosen
 
 
 def _progress(total: int, name: str | None) -> tqdm:
@@ -290,7 +379,18 @@ def fill(
     targets = _targets(model)
     for name, key, load in plan:
         tensor = load()
-        target = targets[name]
+        target = targets.get(name)
+        if target is None:  # the weight of a module quantized while loading
+            module = model.get_submodule(name.removesuffix(".weight"))
+            assert isinstance(module, QuantizedWeight), name
+            with torch.no_grad():
+                if isinstance(tensor, torch.Tensor):
+                    module.set_weight(tensor)
+                else:  # a GGUF tensor's own blocks
+                    module.set_quantized(tensor.qweight, tensor.scales, tensor.mins)
+            progress(key)
+            del tensor
+            continue
         same = (tensor.dtype, tensor.device, tensor.shape) == (target.dtype, target.device, target.shape)
         with torch.no_grad():
             if adopt and same and tensor.is_contiguous():

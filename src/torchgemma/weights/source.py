@@ -73,6 +73,8 @@ def _sha256(path: Path) -> str:
 
 # Named models that need no hub: name -> a function returning the local file or folder.
 SHORTCUTS = {"gemma3-270m": gemma3_270m}
+# How ``load(..., quantize="auto")`` loads a named model: the 270M keeps its GGUF blocks (the fast mode).
+SHORTCUT_QUANTIZATION = {"gemma3-270m": "gguf"}
 
 
 def resolve_source(

@@ -1,0 +1,192 @@
+"""Quantized stand-ins for ``nn.Linear`` and the token tables, and round-to-nearest quantizers.
+
+A quantized weight is three buffers, named so that a saved model reads like the checkpoint it came
+from (``...q_proj.qweight``, ``...q_proj.scales``, ``...q_proj.mins``):
+
+    qweight  int8 (N, K) for 8 bits; uint8 (N, K / 2) for 4 bits (layout: ``csrc/qlinear.cpp``)
+    scales   float32 (N, K / G), one per group of G values of a row
+    mins     float32 (N, K / G) or absent: W = scales * q + mins
+
+The modules only hold the buffers and call ``torch.ops.torchgemma``; where the integers come from
+(round-to-nearest here, a GGUF file's own blocks in ``weights.gguf``) is the loader's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import kernels
+
+# Calls with at least this many rows dequantize the weight once and use the float32 matrix product:
+# from here on a BLAS beats re-reading the integers row block by row block (measured on AVX2).
+DENSE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one weight is stored: integer width, values per scale, and whether groups have offsets."""
+
+    bits: int
+    group_size: int
+    has_mins: bool
+
+    def check(self, in_features: int, name: str = "weight") -> None:
+        block = 32 if self.bits == 4 else 8
+        if self.bits not in (4, 8):
+            raise ValueError(f"{name}: bits must be 4 or 8, got {self.bits}")
+        if self.group_size % block or in_features % self.group_size:
+            raise ValueError(
+                f"{name}: group size {self.group_size} must be a multiple of {block} that divides its "
+                f"{in_features} input features"
+            )
+
+    def as_dict(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "has_mins": self.has_mins}
+
+
+class QuantizedWeight(nn.Module):
+    """The buffers of one quantized (N, K) weight and the two ways to use them."""
+
+    def __init__(self, rows: int, features: int, fmt: Format, dtype: torch.dtype):
+        super().__init__()
+        fmt.check(features)
+        self.format = fmt
+        self.compute_dtype = dtype  # what forward returns (the model's dtype)
+        groups = features // fmt.group_size
+        packed = features if fmt.bits == 8 else features // 2
+        self.register_buffer("qweight", torch.empty(rows, packed, dtype=torch.int8 if fmt.bits == 8 else torch.uint8))
+        self.register_buffer("scales", torch.empty(rows, groups, dtype=torch.float32))
+        self.register_buffer("mins", torch.empty(rows, groups, dtype=torch.float32) if fmt.has_mins else None)
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        packed = self.qweight.shape[1]
+        return (self.qweight.shape[0], packed * (2 if self.format.bits == 4 else 1))
+
+    def _apply(self, fn, recurse=True):
+        # A dtype cast (model.to(torch.bfloat16)) changes what forward returns, never the stored
+        # integers and float32 scales; device moves and allocations apply as usual.
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if out.dtype == t.dtype:
+                return out
+            if out.is_floating_point():
+                self.compute_dtype = out.dtype
+            return t.to(out.device)
+
+        return super()._apply(convert, recurse)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> x @ W.T (..., N), in the model's dtype."""
+        f = self.format
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if rows >= DENSE_ROWS and not torch.compiler.is_compiling():
+            weight = self.dequantize()
+            out = torch.nn.functional.linear(x.to(torch.float32), weight)
+        else:
+            out = torch.ops.torchgemma.qlinear(x, self.qweight, self.scales, self.mins, f.bits, f.group_size)
+        return out.to(x.dtype if x.is_floating_point() else self.compute_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (N, K)."""
+        f = self.format
+        return torch.ops.torchgemma.dequantize(self.qweight, self.scales, self.mins, f.bits, f.group_size)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows ``index`` (any shape) -> (*index.shape, K): a token table lookup."""
+        f = self.format
+        flat = index.reshape(-1)
+        mins = None if self.mins is None else self.mins[flat]
+        values = kernels._dequantize_reference(self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size)
+        return values.view(*index.shape, -1)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Fill the buffers by round-to-nearest quantization of a float (N, K) weight."""
+        qweight, scales, mins = quantize_rtn(weight, self.format)
+        self.set_quantized(qweight, scales, mins)
+
+    def set_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+        """Adopt already-quantized buffers (e.g. a GGUF file's blocks, converted)."""
+        for name, value in (("qweight", qweight), ("scales", scales), ("mins", mins)):
+            current = getattr(self, name)
+            if (value is None) != (current is None):
+                raise ValueError(f"{name}: this weight's format {self.format} does not match the data given")
+            if value is None:
+                continue
+            if value.shape != current.shape or value.dtype != current.dtype:
+                raise ValueError(
+                    f"{name}: expected {current.dtype} {list(current.shape)}, got {value.dtype} {list(value.shape)}"
+                )
+            setattr(self, name, value.to(current.device).contiguous())
+
+    def extra_repr(self) -> str:
+        n, k = self.weight_shape
+        f = self.format
+        return f"rows={n}, features={k}, bits={f.bits}, group_size={f.group_size}, mins={f.has_mins}"
+
+
+class QuantizedLinear(QuantizedWeight):
+    """``nn.Linear`` without bias, its weight quantized."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: Format, dtype: torch.dtype = torch.float32):
+        super().__init__(out_features, in_features, fmt, dtype)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+
+class QuantizedEmbedding(QuantizedWeight):
+    """A token table with quantized rows: a lookup dequantizes only the rows it reads, and
+    ``as_linear`` makes it the tied LM head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: Format, dtype: torch.dtype = torch.float32):
+        super().__init__(num_embeddings, embedding_dim, fmt, dtype)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(input_ids).to(self.compute_dtype)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+
+# ── round-to-nearest quantization ───────────────────────────────────────────────────────────────
+
+
+def quantize_rtn(weight: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(N, K) float -> (qweight, scales, mins) by round-to-nearest per group.
+
+    8 bits without mins: symmetric, scale = max|w| / 127. With mins (either width): the group's
+    [min, max] mapped onto [0, 2^bits - 1], scale = (max - min) / (2^bits - 1), min = the group's min.
+    Computed in float32 on the weight's device, a few rows at a time (bounded memory).
+    """
+    n, k = weight.shape
+    fmt.check(k)
+    g = fmt.group_size
+    levels = (1 << fmt.bits) - 1
+    qs, ss, ms = [], [], []
+    for start in range(0, n, 4096):
+        w = weight[start : start + 4096].to(torch.float32).view(-1, k // g, g)
+        if fmt.has_mins:
+            lo, hi = w.amin(-1), w.amax(-1)
+            scale = (hi - lo) / levels
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, levels)
+            if fmt.bits == 8:
+                q = q - 128  # int8 storage: offset folded into the mins
+                lo = lo + 128 * scale
+            ms.append(lo)
+        else:
+            if fmt.bits == 4:
+                raise ValueError("4-bit weights are stored with mins (has_mins=True)")
+            scale = w.abs().amax(-1) / 127
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round(w / safe[..., None]).clamp_(-127, 127)
+        qs.append(kernels.pack(q.view(-1, k), fmt.bits))
+        ss.append(scale)
+    scales = torch.cat(ss).contiguous()
+    return torch.cat(qs), scales, torch.cat(ms).contiguous() if fmt.has_mins else None
