@@ -7,8 +7,10 @@ from .generation import Engine, generate, stream
 from .llm import LLM
 from .model import Gemma
 from .processing import process_audio, process_images
+from .quantization import quantize
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights.loading import load
+from .weights.saving import save
 from .weights.source import CheckpointError
 
 __version__ = "0.1.0"
@@ -30,5 +32,7 @@ __all__ = [
     "load_tokenizer",
     "process_audio",
     "process_images",
+    "quantize",
+    "save",
     "stream",
 ]

@@ -132,8 +132,24 @@ class SlidingLayerCache:
         self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``P`` keys before the call (read first), then this call's own: (B, Hkv, P + T, D)."""
+        if step.row_slice is not None and step.starts is not None and len(set(step.starts)) == 1:
+            # Every row's past starts at the same ring column: the ring read as (at most) two
+            # slices, in position order, copied with this call's keys in one cat (no gather).
+            past = step.past.shape[1]
+            first = (step.starts[0] - past) % self.ring
+            spans = [(first, min(first + past, self.ring)), (0, max(first + past - self.ring, 0))]
+            rows = step.row_slice
+            keys = [self.keys[rows, :, a:b] for a, b in spans if b > a] + [key]
+            values = [self.values[rows, :, a:b] for a, b in spans if b > a] + [value]
+            keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            self._store(key, value, step)
+            return keys, values
         columns = step.past % self.ring
         past_keys, past_values = _read(self.keys, step, columns), _read(self.values, step, columns)
+        self._store(key, value, step)
+        return torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, step: CacheStep) -> None:
         # Only each sequence's last `ring` positions need storing (a chunk may be longer than the ring).
         keep = step.positions >= step.ends - self.ring
         if step.written is not None:
@@ -143,7 +159,6 @@ class SlidingLayerCache:
         cols = step.positions % self.ring
         _write(self.keys, step, cols, key, keep)
         _write(self.values, step, cols, value, keep)
-        return torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
 
 
 class KVCache:

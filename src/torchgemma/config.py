@@ -445,7 +445,10 @@ def _quantization_from_hf(data: Any) -> dict | None:
             "quantization_config.layers must map module names to {bits: 4 or 8, group_size: int > 0, "
             "has_mins: bool}"
         )
-    return {"mode": str(data.get("mode", "")), "layers": layers}
+    kept = data.get("kept", {})
+    if not isinstance(kept, dict):
+        raise ConfigError("quantization_config.kept must map module names to reasons")
+    return {"mode": str(data.get("mode", "")), "layers": layers, "kept": kept}
 
 
 def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:

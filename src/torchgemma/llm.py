@@ -33,7 +33,7 @@ from .processing import MediaTokens, collect_media, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
 from .weights.loading import load
-from .weights.source import resolve_source
+from .weights.source import auto_quantization, resolve_source
 
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -108,6 +108,8 @@ class LLM:
 
     ``max_soft_tokens``: soft tokens per image (70, 140, 280, 560 or 1120); by default the
     checkpoint's processor config (``processor_config.json`` / ``preprocessor_config.json``), else 280.
+    ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
+    blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None).
     """
 
     def __init__(
@@ -119,9 +121,14 @@ class LLM:
         attention: str = "sdpa",
         max_soft_tokens: int | None = None,
         progress: bool = True,
+        quantize: str | None = "auto",
     ) -> None:
+        if quantize == "auto":
+            quantize = auto_quantization(source)
         folder = resolve_source(source)
-        self.model = load(folder, dtype=dtype, device=device, attention=attention, progress=progress)
+        self.model = load(
+            folder, dtype=dtype, device=device, attention=attention, progress=progress, quantize=quantize
+        )
         self.tokenizer = load_tokenizer(folder)
         self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)
         text = self.model.config.text

@@ -21,6 +21,7 @@ Modes (``MODES``):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,8 @@ MODES = ("int8", "int4", "gguf")
 
 __all__ = [
     "MODES",
+    "choose_formats",
+    "record",
     "Format",
     "QuantizedEmbedding",
     "QuantizedLinear",
@@ -89,28 +92,57 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
     """Replace ``model``'s quantizable layers (see ``quantizable``) by quantized ones, in place.
 
     Each weight is quantized and freed in turn, so memory peaks at the model plus one layer's
-    float32 copy. A layer whose width the group size does not divide is an error naming it. Returns
-    the model, whose ``quantization`` attribute records the mode and the format of each layer.
+    float32 copy. A layer whose width the format cannot hold (e.g. 4-bit groups of 32 over 8
+    features) stays in full precision; ``model.quantization`` records the mode, the format of each
+    quantized layer and the layers kept, with the reason (and a warning says so). Returns the model.
     """
     if mode == "gguf" or mode not in MODES:
         mode_format(mode, group_size, 0)  # the error for a bad or load-only mode
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
-    layers: dict[str, dict] = {}
-    for name, module in list(quantizable(model)):
-        fmt = mode_format(mode, group_size, module.weight.shape[1])
-        try:
-            fmt.check(module.weight.shape[1], name)
-        except ValueError as err:
-            raise ValueError(f"cannot quantize {name} to {mode}: {err}") from None
+    chosen, kept = choose_formats(list(quantizable(model)), lambda name, features: mode_format(mode, group_size, features))
+    for name, fmt in chosen.items():
+        module = model.get_submodule(name)
         shell = quantized_shell(module, fmt, dtype).to(module.weight.device)
         with torch.no_grad():
             shell.set_weight(module.weight)
         replace_module(model, name, shell)
-        layers[name] = fmt.as_dict()
-    model.quantization = {"mode": mode, "layers": layers}
-    if next(iter(layers), None) is not None and model_device(model).type == "cpu":
+    model.quantization = record(mode, chosen, kept)
+    if chosen and model_device(model).type == "cpu":
         ensure_kernels()
     return model
+
+
+def choose_formats(modules, fmt_for) -> tuple[dict[str, Format], dict[str, str]]:
+    """({name: format} of the modules to quantize, {name: reason} of those kept in full precision).
+
+    ``fmt_for(name, in_features)`` gives a module's format, or None to keep it as it is."""
+    chosen: dict[str, Format] = {}
+    kept: dict[str, str] = {}
+    for name, module in modules:
+        features = module.weight.shape[1]
+        fmt = fmt_for(name, features)
+        if fmt is None:
+            continue
+        try:
+            fmt.check(features, name)
+            chosen[name] = fmt
+        except ValueError as err:
+            kept[name] = str(err)
+    if kept and not chosen:
+        first = next(iter(kept.values()))
+        raise ValueError(f"no layer can be quantized in this format: {first}")
+    if kept:
+        warnings.warn(
+            f"torchgemma: {len(kept)} layer(s) kept in full precision, their width does not fit the "
+            f"format: {'; '.join(list(kept.values())[:3])}",
+            stacklevel=3,
+        )
+    return chosen, kept
+
+
+def record(mode: str, chosen: dict[str, Format], kept: dict[str, str]) -> dict:
+    """What ``model.quantization`` holds (and config.json's quantization_config, when saved)."""
+    return {"mode": mode, "layers": {name: fmt.as_dict() for name, fmt in chosen.items()}, "kept": kept}
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -22,10 +22,20 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, ModelConfig
 from ..model import Gemma
 from ..model.text import ATTENTION_BACKENDS
-from ..quantization import MODES, Format, QuantizedWeight, mode_format, quantizable, quantized_shell, replace_module
-from ..quantization import ensure_kernels
+from ..quantization import (
+    MODES,
+    Format,
+    QuantizedWeight,
+    choose_formats,
+    ensure_kernels,
+    mode_format,
+    quantizable,
+    quantized_shell,
+    record,
+    replace_module,
+)
 from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
-from .source import SHORTCUT_QUANTIZATION, CheckpointError, resolve_source
+from .source import CheckpointError, auto_quantization, resolve_source
 
 DTYPES = {
     "float32": torch.float32,
@@ -96,8 +106,7 @@ def load(
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     requested = model_dtype(dtype)
     if quantize == "auto":
-        local = Path(str(source)).expanduser().exists()
-        quantize = None if local else SHORTCUT_QUANTIZATION.get(str(source))
+        quantize = auto_quantization(source)
     if quantize is not None and quantize not in MODES:
         raise ValueError(f"unknown quantization {quantize!r}; use one of {', '.join(MODES)}, 'auto' or None")
     path = resolve_source(source)
@@ -175,24 +184,23 @@ def _build(
             replace_module(model, name, shell)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
     plan = match_tensors(model, config, tensors)
-    layers = dict(config.quantization["layers"]) if config.quantization else {}
+    quantization = config.quantization
     if quantize is not None:
-        plan, chosen = _quantize_plan(model, plan, quantize, gguf)
+        plan, chosen, kept = _quantize_plan(model, plan, quantize, gguf)
         for name, fmt in chosen.items():
             with torch.device("meta"):
                 shell = quantized_shell(model.get_submodule(name), fmt, dtype)
             replace_module(model, name, shell)
-            layers[name] = fmt.as_dict()
+        quantization = record(quantize, chosen, kept)
     # Allocate once, directly in the target dtype and device; loading fills it in place.
     # (to_empty would do, but empty_like of a meta tensor runs torch's Python reference ops, which
     # import half a second of modules; a plain factory call does not.)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
         fill(model, plan, lambda key: bar.update(stored[key]), adopt=adopt)
-    if layers:
-        mode = quantize or config.quantization["mode"]
-        model.quantization = {"mode": mode, "layers": layers}
-        if device.type == "cpu":
+    if quantization is not None:
+        model.quantization = quantization
+        if quantization["layers"] and device.type == "cpu":
             ensure_kernels()
     return model.eval()
 
@@ -204,34 +212,27 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         raise CheckpointError(f"quantization_config names {name}, which the model has not") from None
 
 
-def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict[str, Format]]:
+def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict, dict]:
     """Which modules ``mode`` quantizes, in which format, and the plan with their loads.
 
     "int8"/"int4": every quantizable module, its float weight quantized when it is read. "gguf": the
     modules whose tensor the file stores as grouped integers, read as such (others stay float).
     """
     targets = dict(quantizable(model))
-    chosen: dict[str, Format] = {}
+    keys = {name.removesuffix(".weight"): key for name, key, _ in plan if name.endswith(".weight")}
+    modules = [(name, module) for name, module in targets.items() if name in keys]
+    if mode == "gguf":
+        spec = {name: gguf.int_format(keys[name]) for name, _ in modules}
+        chosen, kept = choose_formats(modules, lambda name, features: spec[name] and Format(*spec[name]))
+    else:
+        chosen, kept = choose_formats(modules, lambda name, features: mode_format(mode, None, features))
     new_plan = []
     for name, key, load in plan:
         module_name = name.removesuffix(".weight")
-        module = targets.get(module_name) if name.endswith(".weight") else None
-        if module is not None:
-            features = module.weight.shape[1]
-            if mode == "gguf":
-                spec = gguf.int_format(key)
-                if spec is not None:
-                    chosen[module_name] = Format(*spec)
-                    load = partial(gguf.grouped_ints, key)
-            else:
-                fmt = mode_format(mode, None, features)
-                try:
-                    fmt.check(features, module_name)
-                except ValueError as err:
-                    raise ValueError(f"cannot quantize {module_name} to {mode}: {err}") from None
-                chosen[module_name] = fmt
+        if mode == "gguf" and module_name in chosen and name.endswith(".weight"):
+            load = partial(gguf.grouped_ints, key)
         new_plan.append((name, key, load))
-    return new_plan, chosen
+    return new_plan, chosen, kept
 
 
 def _progress(total: int, name: str | None) -> tqdm:

@@ -77,6 +77,14 @@ SHORTCUTS = {"gemma3-270m": gemma3_270m}
 SHORTCUT_QUANTIZATION = {"gemma3-270m": "gguf"}
 
 
+def auto_quantization(source: str | Path) -> str | None:
+    """What ``quantize="auto"`` means for ``source``: a named model's fast mode, else None (a local
+    path of the same name wins, as in ``resolve_source``)."""
+    if Path(source).expanduser().exists():
+        return None
+    return SHORTCUT_QUANTIZATION.get(str(source))
+
+
 def resolve_source(
     source: str | Path, *, revision: str | None = None, hub_files: list[str] | None = None
 ) -> Path:

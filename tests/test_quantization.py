@@ -1,0 +1,251 @@
+"""Weight-only quantization: the operators and their C++ kernels, the transform, loading and saving.
+
+The kernels are checked against the pure-PyTorch operator (dequantize, then a float64 product); the
+transform against the full-precision model it came from; GGUF-native loading against the file's
+dequantized tensors (equal to the bit); saving by a round trip that must give the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchgemma
+from torchgemma.config import ConfigError
+from torchgemma.model.text import Embedding
+from torchgemma.quantization import (
+    Format,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    ensure_kernels,
+    kernels,
+    quantize,
+    quantize_rtn,
+)
+
+from checkpoints import STYLES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_ints(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        return torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+    return torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pack_round_trip(bits):
+    q = random_ints(5, 64, bits)
+    packed = kernels.pack(q, bits)
+    assert packed.shape == (5, 64 if bits == 8 else 32)
+    assert torch.equal(kernels.unpack(packed, bits), q)
+    if bits == 4:  # byte j of each 32 values: value j low, value j + 16 high (GGML's Q4 packing)
+        assert packed[0, 0] == q[0, 0] | (q[0, 16] << 4)
+
+
+CASES = [(8, 16, False), (8, 32, False), (8, 64, True), (8, 96, False), (4, 32, True), (4, 96, True)]
+
+
+@pytest.mark.parametrize(("bits", "group", "mins"), CASES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows):
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k = 37, 192
+    q = kernels.pack(random_ints(n, k, bits, seed=rows), bits)
+    gen = torch.Generator().manual_seed(bits * group)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02
+    offsets = torch.randn(n, k // group, generator=gen) * 0.05 if mins else None
+    weight = kernels._dequantize_reference(q, scales, offsets, bits, group)
+    # The C++ dequantizer computes scale * q, then + min, unfused: the reference's bits.
+    assert torch.equal(torch.ops.torchgemma.dequantize(q, scales, offsets, bits, group), weight)
+    x = torch.randn(2, rows, k, generator=gen)
+    out = torch.ops.torchgemma.qlinear(x, q, scales, offsets, bits, group)
+    exact = x.double() @ weight.double().T
+    assert out.shape == (2, rows, n) and out.dtype == torch.float32
+    assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
+
+
+def test_operators_check_their_inputs():
+    q = kernels.pack(random_ints(4, 64, 8), 8)
+    scales = torch.ones(4, 2)
+    with pytest.raises((RuntimeError, ValueError), match="features"):
+        torch.ops.torchgemma.qlinear(torch.randn(1, 63), q, scales, None, 8, 32)
+    with pytest.raises((RuntimeError, ValueError), match="group size"):
+        torch.ops.torchgemma.qlinear(torch.randn(1, 64), q, torch.ones(4, 3), None, 8, 24)
+
+
+@pytest.mark.parametrize("op", ["qlinear", "dequantize"])
+def test_operators_pass_torch_library_opcheck(op):
+    """The fake (meta) kernels agree with the real ones, so torch.compile traces the layers."""
+    ensure_kernels()
+    q = kernels.pack(random_ints(8, 64, 4), 4)
+    scales, offsets = torch.rand(8, 2), torch.randn(8, 2)
+    args = (q, scales, offsets, 4, 32) if op == "dequantize" else (torch.randn(3, 64), q, scales, offsets, 4, 32)
+    torch.library.opcheck(getattr(torch.ops.torchgemma, op).default, args)
+
+
+@pytest.mark.parametrize(("bits", "group", "mins"), [(8, 64, False), (8, 32, True), (4, 32, True), (4, 64, True)])
+def test_round_to_nearest_is_within_half_a_step(bits, group, mins):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 128, generator=gen)
+    weight[3] = 0.0  # an all-zero row must not divide by zero
+    fmt = Format(bits, group, mins)
+    qweight, scales, offsets = quantize_rtn(weight, fmt)
+    back = kernels._dequantize_reference(qweight, scales, offsets, bits, group)
+    step = scales.repeat_interleave(group, dim=1)
+    assert torch.all((back - weight).abs() <= step / 2 + 1e-6)
+    assert torch.equal(back[3], torch.zeros(128))
+
+
+def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
+    """No compiler on PATH: a warning naming the problem, and the layers still compute (slowly)."""
+    script = textwrap.dedent(
+        """
+        import warnings, torch
+        from torchgemma.quantization import kernels
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert kernels.ensure_kernels() is False
+        print(caught[0].message)
+        q = kernels.pack(torch.randint(-9, 9, (4, 32), dtype=torch.int8), 8)
+        w = kernels._dequantize_reference(q, torch.ones(4, 1), None, 8, 32)
+        x = torch.randn(2, 32)
+        assert torch.allclose(torch.ops.torchgemma.qlinear(x, q, torch.ones(4, 1), None, 8, 32), x @ w.T)
+        print("fallback ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env["PATH"] = str(tmp_path)  # nothing to compile with
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")  # and no earlier build to load
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no C++ compiler found" in done.stdout and "pure-PyTorch" in done.stdout
+    assert "fallback ok" in done.stdout
+
+
+# ── the transform on tiny checkpoints ───────────────────────────────────────────────────────────
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(ids).double()
+
+
+IDS = torch.randint(3, 250, (2, 11), generator=torch.Generator().manual_seed(7))
+
+
+def _relative_rms(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize(("mode", "group", "tolerance"), [("int8", None, 0.03), ("int8", 32, 0.03), ("int4", 32, 0.3)])
+def test_quantized_model_stays_close_to_full_precision(text_checkpoints, style, mode, group, tolerance):
+    """Every style: the decoder's linear layers and token tables quantized; logits within a relative
+    RMS error of the float model's (another model is ~1.4 away), the same top-1 token nearly always."""
+    full = torchgemma.load(text_checkpoints[style])
+    model = quantize(torchgemma.load(text_checkpoints[style]), mode, group_size=group)
+    kinds = {type(m) for m in model.modules()}
+    assert QuantizedLinear in kinds and QuantizedEmbedding in kinds
+    plain = {
+        n
+        for n, m in model.named_modules()
+        if type(m) in (torch.nn.Linear, Embedding) and n.startswith("language_model.") and "router" not in n
+    }
+    assert plain == set(model.quantization["kept"])  # only what the format cannot hold stays float
+    assert set(model.quantization["layers"]).isdisjoint(plain)
+    assert isinstance(model.language_model.embed_tokens, QuantizedEmbedding)
+    if model.config.text.has_per_layer_inputs and group is None:
+        assert isinstance(model.language_model.embed_tokens_per_layer, QuantizedEmbedding)
+    reference, ours = _logits(full, IDS), _logits(model, IDS)
+    assert _relative_rms(ours, reference) < tolerance
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+    other = _logits(torchgemma.load(text_checkpoints["e2b" if style != "e2b" else "e4b"]), IDS)
+    assert _relative_rms(other, reference) > 1.0
+
+
+def test_quantize_at_load_equals_quantize_after_load(text_checkpoints):
+    folder = text_checkpoints["e2b"]
+    after = quantize(torchgemma.load(folder), "int4")
+    during = torchgemma.load(folder, quantize="int4")
+    assert after.quantization == during.quantization
+    ours, theirs = after.state_dict(), during.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_bf16_model_quantized_computes_in_bf16(text_checkpoints):
+    model = torchgemma.load(text_checkpoints["31b"], dtype=torch.bfloat16, quantize="int8")
+    assert model.dtype == torch.bfloat16
+    assert model.language_model.layers[0].mlp.up_proj.scales.dtype == torch.float32
+    with torch.inference_mode():
+        logits = model(IDS)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_cached_decode_of_a_quantized_model_equals_its_full_forward(text_checkpoints):
+    """The cache and the quantized layers compose: decode step by step = one forward (float32)."""
+    model = torchgemma.load(text_checkpoints["e2b"], quantize="int8")
+    ids = IDS[:1]
+    cache = model.make_cache(1, 16)
+    with torch.inference_mode():
+        full = model(ids)
+        steps = [model(ids[:, :4], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(4, 11)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
+
+
+def test_save_and_load_round_trip_to_the_bit(text_checkpoints, tmp_path):
+    model = torchgemma.load(text_checkpoints["26b"], quantize="int4")
+    torchgemma.save(model, tmp_path / "q", copy_from=text_checkpoints["26b"])
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "torchgemma"
+    assert config["quantization_config"]["mode"] == "int4"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.up_proj.qweight" in names and "model.layers.0.mlp.up_proj.weight" not in names
+    assert "model.layers.0.router.proj.weight" in names  # the router stays in full precision
+    back = torchgemma.load(tmp_path / "q")
+    assert back.quantization == model.quantization
+    assert torch.equal(_logits(back, IDS), _logits(model, IDS))
+    with pytest.raises(ValueError, match="already quantized"):
+        torchgemma.load(tmp_path / "q", quantize="int8")
+
+
+def test_unquantized_save_round_trip(text_checkpoints, tmp_path):
+    model = torchgemma.load(text_checkpoints["e4b"])
+    torchgemma.save(model, tmp_path / "f")
+    assert torch.equal(_logits(torchgemma.load(tmp_path / "f"), IDS), _logits(model, IDS))
+
+
+def test_bad_modes_and_foreign_quantization_configs_are_refused(text_checkpoints, tmp_path):
+    folder = text_checkpoints["31b"]
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        torchgemma.load(folder, quantize="int3")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        torchgemma.load(folder, quantize="gguf")
+    with pytest.raises(ValueError, match="load-only|GGUF"):
+        quantize(torchgemma.load(folder), "gguf")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    bad = tmp_path / "bnb"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="quant_method 'bitsandbytes' is not supported"):
+        torchgemma.load(bad)
+
+
+def test_layers_the_group_size_cannot_hold_are_an_error(text_checkpoints):
+    with pytest.raises(ValueError, match="no layer can be quantized.*group size 48"):
+        quantize(torchgemma.load(text_checkpoints["31b"]), "int4", group_size=48)
