@@ -25,7 +25,8 @@ def real():
     path = gemma3_270m()
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = torchgemma.load("gemma3-270m", dtype=torch.float32, attention="eager")
+    # The file dequantized to float32 (the shortcut alone keeps its blocks: see the test below).
+    model = torchgemma.load("gemma3-270m", dtype=torch.float32, attention="eager", quantize=None)
     tok = torchgemma.load_tokenizer("gemma3-270m")
     return ref, ref_tok, model, tok
 
@@ -48,3 +49,24 @@ def test_greedy_continuation_and_logits_match_transformers(real, prompt):
     ours = generate(model, input_ids, max_new_tokens=32, temperature=0.0, stop_token_ids=stops)
     assert ours.tolist() == theirs.tolist()
     assert tok.decode(ours[0, len(ids) :].tolist()) == ref_tok.decode(theirs[0, len(ids) :])
+
+
+def test_default_load_keeps_the_files_blocks_and_its_greedy_tokens(real):
+    """`load("gemma3-270m")` keeps the GGUF's own blocks (quantize="gguf"): every quantized tensor
+    dequantizes to exactly the file's values, and greedy decoding gives the float32 model's tokens."""
+    from torchgemma.quantization import QuantizedWeight
+    from torchgemma.weights.gguf import read_gguf
+
+    _, _, full, tok = real
+    model = torchgemma.load("gemma3-270m")
+    assert model.quantization["mode"] == "gguf" and len(model.quantization["layers"]) == 127
+    checkpoint = read_gguf(gemma3_270m())
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            key = "model." + name.removeprefix("language_model.") + ".weight"
+            assert torch.equal(module.dequantize(), checkpoint.tensor(key)), name
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)])
+        ours = generate(model, ids, max_new_tokens=32, temperature=0.0, stop_token_ids=[])
+        theirs = generate(full, ids, max_new_tokens=32, temperature=0.0, stop_token_ids=[])
+        assert ours.tolist() == theirs.tolist(), prompt

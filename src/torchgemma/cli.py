@@ -218,6 +218,7 @@ def _load_llm(args: argparse.Namespace):
             device=args.device,
             attention=args.attention,
             progress=not args.quiet,
+            quantize=None if args.quantize == "none" else args.quantize,
         )
     if args.compile:
         from .acceleration import compile
@@ -226,11 +227,19 @@ def _load_llm(args: argparse.Namespace):
     if args.verbose:
         print(
             f"loaded {args.model} in {time.perf_counter() - start:.1f} s: {llm.model.device}, "
-            f"{str(llm.model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU thread(s), "
+            f"{str(llm.model.dtype).removeprefix('torch.')}{_quantized(llm.model)}, "
+            f"{torch.get_num_threads()} CPU thread(s), "
             f"context {llm.context_length:,} tokens",
             file=sys.stderr,
         )
     return llm
+
+
+def _quantized(model) -> str:
+    quantization = getattr(model, "quantization", None)
+    if not quantization:
+        return ""
+    return f" activations, {quantization['mode']} weights ({len(quantization['layers'])} layers)"
 
 
 def _sampling(args: argparse.Namespace, llm) -> dict:
@@ -597,6 +606,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="compile the decode step (torch.compile; CUDA graphs on CUDA): minutes to start, faster steps",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=["auto", "int8", "int4", "gguf", "none"],
+        default="auto",
+        help="weight-only quantization of the text decoder: int8, int4, gguf (a .gguf file's own blocks), "
+        "none; auto (default): gguf for the named model gemma3-270m, else none",
     )
 
 
