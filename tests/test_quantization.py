@@ -249,3 +249,56 @@ def test_bad_modes_and_foreign_quantization_configs_are_refused(text_checkpoints
 def test_layers_the_group_size_cannot_hold_are_an_error(text_checkpoints):
     with pytest.raises(ValueError, match="no layer can be quantized.*group size 48"):
         quantize(torchgemma.load(text_checkpoints["31b"]), "int4", group_size=48)
+
+
+# ── the per-layer-embedding table off the accelerator ────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("quantized", [None, "int8"])
+def test_per_layer_table_on_the_host_gives_the_same_bits(text_checkpoints, quantized):
+    """The table kept in host memory: only the looked-up rows move, and logits are bit-identical."""
+    from torchgemma.placement import HostPlacement
+
+    folder = text_checkpoints["e2b"]
+    plain = torchgemma.load(folder, quantize=quantized, per_layer_table="device")
+    host = torchgemma.load(folder, quantize=quantized, per_layer_table="host")
+    table = host.language_model.embed_tokens_per_layer
+    assert isinstance(table, HostPlacement) and not isinstance(plain.language_model.embed_tokens_per_layer, HostPlacement)
+    assert torch.equal(_logits(host, IDS), _logits(plain, IDS))
+    cache_host, cache_plain = host.make_cache(2, 16), plain.make_cache(2, 16)
+    with torch.inference_mode():
+        for t in range(0, 11, 5):
+            a = host(IDS[:, t : t + 5], cache=cache_host)
+            b = plain(IDS[:, t : t + 5], cache=cache_plain)
+            assert torch.equal(a, b)
+    # A lookup returns the rows of the call's tokens only: (B, T, layers * P).
+    cfg = host.config.text
+    rows = table(IDS)
+    assert rows.shape == (*IDS.shape, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input)
+
+
+def test_per_layer_table_stays_on_the_host_when_the_model_moves(text_checkpoints):
+    """A stand-in for a GPU (no GPU here): moving the model to the meta device moves every tensor
+    but the table, whose lookups then deliver there; a dtype cast casts the table on the host."""
+    model = torchgemma.load(text_checkpoints["e4b"], per_layer_table="host")
+    table = model.language_model.embed_tokens_per_layer
+    model.to(torch.bfloat16)
+    assert table.weight.dtype == torch.bfloat16 and table.weight.device.type == "cpu"
+    model.to("meta")
+    assert model.language_model.norm.weight.device.type == "meta"
+    assert table.weight.device.type == "cpu" and not table.weight.is_meta
+    assert table.output_device.type == "meta"
+    assert table(IDS).device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_per_layer_table_on_the_host_with_a_cuda_model(text_checkpoints):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = text_checkpoints["e2b"]
+    host = torchgemma.load(folder, device="cuda", dtype=torch.bfloat16)  # "auto": host on CUDA
+    on_gpu = torchgemma.load(folder, device="cuda", dtype=torch.bfloat16, per_layer_table="device")
+    table = host.language_model.embed_tokens_per_layer
+    assert table.weight.device.type == "cpu" and table.weight.is_pinned()
+    ids = IDS.cuda()
+    assert torch.equal(_logits(host, ids), _logits(on_gpu, ids))

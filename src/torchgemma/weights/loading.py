@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, ModelConfig
 from ..model import Gemma
 from ..model.text import ATTENTION_BACKENDS
+from ..placement import offload_per_layer_table
 from ..quantization import (
     MODES,
     Format,
@@ -84,6 +85,7 @@ def load(
     attention: str = "sdpa",
     progress: bool = True,
     quantize: str | None = "auto",
+    per_layer_table: str = "auto",
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -101,7 +103,13 @@ def load(
     GGUF file, ``"gguf"`` (each tensor kept at the file's own precision, no full-precision copy).
     ``"auto"`` (the default) is ``"gguf"`` for the named model ``gemma3-270m`` and no quantization
     otherwise; None never quantizes. A checkpoint saved quantized by ``torchgemma.save`` loads as saved.
+
+    ``per_layer_table`` (E2B/E4B): ``"host"`` keeps the per-layer-embedding table in host memory and
+    moves only the rows each call reads (``torchgemma.placement``); ``"device"`` puts it with the rest;
+    ``"auto"`` (the default) is ``"host"`` on CUDA, else ``"device"``.
     """
+    if per_layer_table not in ("auto", "host", "device"):
+        raise ValueError(f"per_layer_table must be 'auto', 'host' or 'device', got {per_layer_table!r}")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     requested = model_dtype(dtype)
@@ -111,8 +119,9 @@ def load(
         raise ValueError(f"unknown quantization {quantize!r}; use one of {', '.join(MODES)}, 'auto' or None")
     path = resolve_source(source)
     device = torch.device(device or "cpu")
+    host_table = per_layer_table == "host" or (per_layer_table == "auto" and device.type == "cuda")
     if path.suffix == ".gguf":
-        return _load_gguf(path, requested or torch.float32, device, attention, progress, quantize)
+        return _load_gguf(path, requested or torch.float32, device, attention, progress, quantize, host_table)
     if quantize == "gguf":
         raise ValueError(f'quantize="gguf" keeps a GGUF file\'s blocks, and {path} is not a .gguf file')
     config = ModelConfig.from_file(path)
@@ -124,12 +133,26 @@ def load(
         stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
         dtype = requested or _checkpoint_dtype(config, tensors)
         return _build(
-            config, dtype, device, attention, tensors, stored, path.name if progress else None, quantize=quantize
+            config,
+            dtype,
+            device,
+            attention,
+            tensors,
+            stored,
+            path.name if progress else None,
+            quantize=quantize,
+            host_table=host_table,
         )
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, attention: str, progress: bool, quantize: str | None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: str,
+    progress: bool,
+    quantize: str | None,
+    host_table: bool,
 ) -> Gemma:
     from .gguf import read_gguf
 
@@ -157,6 +180,7 @@ def _load_gguf(
         adopt=True,
         quantize=quantize,
         gguf=checkpoint if quantize == "gguf" else None,
+        host_table=host_table,
     )
 
 
@@ -171,6 +195,7 @@ def _build(
     adopt: bool = False,
     quantize: str | None = None,
     gguf=None,
+    host_table: bool = False,
 ) -> Gemma:
     """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name;
     ``label`` names the progress bar (None: no bar). ``quantize``: a mode of
@@ -192,6 +217,8 @@ def _build(
                 shell = quantized_shell(model.get_submodule(name), fmt, dtype)
             replace_module(model, name, shell)
         quantization = record(quantize, chosen, kept)
+    if host_table:
+        offload_per_layer_table(model)  # on the meta model: the table is then allocated on the host
     # Allocate once, directly in the target dtype and device; loading fills it in place.
     # (to_empty would do, but empty_like of a meta tensor runs torch's Python reference ops, which
     # import half a second of modules; a plain factory call does not.)

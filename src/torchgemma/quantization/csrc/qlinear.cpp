@@ -239,6 +239,34 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, c
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* qrow = qp + n * row_bytes;
+#ifdef TG_AVX2
+      // 8 values at a time: multiply, then add (two roundings, as the scalar loop below).
+      float* orow = op + n * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 s = _mm256_set1_ps(sp[n * groups + g]);
+        const __m256 b = _mm256_set1_ps(mp ? mp[n * groups + g] : 0.f);
+        for (int64_t k = g * group; k < (g + 1) * group; k += bits == 8 ? 8 : 32) {
+          __m256 w[4];
+          int count = 1;
+          if (bits == 8) {
+            w[0] = load_i8(reinterpret_cast<const int8_t*>(qrow) + k);
+          } else {
+            const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k / 2));
+            const __m128i low = _mm_set1_epi8(0x0F);
+            const __m128i lo = _mm_and_si128(packed, low), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+            w[0] = widen_u8(lo), w[1] = widen_u8(_mm_srli_si128(lo, 8));
+            w[2] = widen_u8(hi), w[3] = widen_u8(_mm_srli_si128(hi, 8));
+            count = 4;
+          }
+          for (int j = 0; j < count; ++j) {
+            __m256 v = _mm256_mul_ps(s, w[j]);
+            if (mp) v = _mm256_add_ps(v, b);
+            _mm256_storeu_ps(orow + k + 8 * j, v);
+          }
+        }
+      }
+      continue;
+#endif
       for (int64_t k = 0; k < K; ++k) {
         const int64_t g = k / group;
         const float q = bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k])
