@@ -23,6 +23,7 @@ from torchgemma.quantization import (
     Format,
     QuantizedEmbedding,
     QuantizedLinear,
+    QuantizedStack,
     ensure_kernels,
     kernels,
     quantize,
@@ -161,11 +162,14 @@ def test_quantized_model_stays_close_to_full_precision(text_checkpoints, style, 
         for n, m in model.named_modules()
         if type(m) in (torch.nn.Linear, Embedding) and n.startswith("language_model.") and "router" not in n
     }
+    plain |= {n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert plain == set(model.quantization["kept"])  # only what the format cannot hold stays float
     assert set(model.quantization["layers"]).isdisjoint(plain)
     assert isinstance(model.language_model.embed_tokens, QuantizedEmbedding)
     if model.config.text.has_per_layer_inputs and group is None:
         assert isinstance(model.language_model.embed_tokens_per_layer, QuantizedEmbedding)
+    if model.config.text.enable_moe_block:
+        assert isinstance(model.language_model.layers[0].experts.gate_up_proj, QuantizedStack)
     reference, ours = _logits(full, IDS), _logits(model, IDS)
     assert _relative_rms(ours, reference) < tolerance
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
@@ -302,3 +306,16 @@ def test_per_layer_table_on_the_host_with_a_cuda_model(text_checkpoints):
     assert table.weight.device.type == "cpu" and table.weight.is_pinned()
     ids = IDS.cuda()
     assert torch.equal(_logits(host, ids), _logits(on_gpu, ids))
+
+
+def test_quantized_experts_grouped_and_gathered_paths_agree(text_checkpoints):
+    """The eager expert loop multiplies quantized stacks in place; the static-shape (compiled) path
+    dequantizes the experts it gathers: the same sums up to float32 rounding."""
+    model = torchgemma.load(text_checkpoints["26b"], quantize="int8")
+    layer = model.language_model.layers[0]
+    x = torch.randn(5, model.config.text.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        weights, experts = layer.router(x)
+        grouped = layer.experts.grouped(x, weights, experts)
+        gathered = layer.experts.gathered(x, weights, experts)
+    assert (grouped - gathered).abs().max() <= 1e-5 * grouped.abs().max()

@@ -232,6 +232,14 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[experts], experts
 
 
+def expert_linear(stack, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """``x @ stack[expert].T`` for a stack of expert weights (E, N, K), or a quantized stack
+    (``torchgemma.quantize``), which multiplies without dequantizing."""
+    if isinstance(stack, torch.Tensor):
+        return F.linear(x, stack[expert])
+    return stack.linear(expert, x)
+
+
 class Experts(nn.Module):
     """All experts' GeGLU weights as stacked tensors: gate_up_proj (E, 2I, H), gate rows first.
 
@@ -260,8 +268,8 @@ class Experts(nn.Module):
         for expert in torch.unique(experts).tolist():
             # Rows in (slot, token) order: the order the reference gathers them in.
             slot, token = torch.where(expert == experts.T)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[expert])
+            gate, up = expert_linear(self.gate_up_proj, expert, x[token]).chunk(2, dim=-1)
+            y = expert_linear(self.down_proj, expert, gelu_tanh(gate) * up)
             y = y * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out

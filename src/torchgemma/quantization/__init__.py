@@ -4,9 +4,8 @@
     model = torchgemma.load("model.gguf", quantize="gguf")             # the file's own blocks
 
 What is quantized: the text decoder's linear layers, its token table (which is also the tied LM
-head, about half the bytes of a small model) and the per-layer-embedding table. What is not: norms,
-the MoE router, soft-caps, the vision and audio towers, and the experts (not yet: they stay in the
-model's dtype). Activations stay in the model's dtype; products accumulate in float32.
+head, about half the bytes of a small model), the per-layer-embedding table and the stacked weights
+of the experts. What is not: norms, the MoE router, soft-caps, the vision and audio towers. Activations stay in the model's dtype; products accumulate in float32.
 
 Modes (``MODES``):
 
@@ -28,7 +27,8 @@ import torch
 from torch import nn
 
 from .kernels import ensure_kernels, kernel_status
-from .modules import Format, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, quantize_rtn
+from ..model.text import Experts
+from .modules import Format, QuantizedEmbedding, QuantizedLinear, QuantizedStack, QuantizedWeight, quantize_rtn
 
 MODES = ("int8", "int4", "gguf")
 
@@ -39,8 +39,10 @@ __all__ = [
     "Format",
     "QuantizedEmbedding",
     "QuantizedLinear",
+    "QuantizedStack",
     "QuantizedWeight",
     "ensure_kernels",
+    "float_weight",
     "kernel_status",
     "mode_format",
     "quantizable",
@@ -62,9 +64,9 @@ def mode_format(mode: str, group_size: int | None, in_features: int) -> Format:
     raise ValueError(f"unknown quantization mode {mode!r}; use one of {', '.join(MODES)}")
 
 
-def quantizable(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every module ``quantize`` replaces: the text decoder's linear layers but the
-    router, its token table(s) and untied LM head."""
+def quantizable(model: nn.Module) -> Iterator[tuple[str, nn.Module | nn.Parameter]]:
+    """(name, module or parameter) of every weight ``quantize`` replaces: the text decoder's linear
+    layers but the router, its token table(s), untied LM head and stacked expert weights."""
     text = getattr(model, "language_model", model)
     prefix = "language_model." if text is not model else ""
     for name, module in text.named_modules():
@@ -72,20 +74,34 @@ def quantizable(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             continue  # routing decides which experts run: kept in high precision
         if type(module) is nn.Linear or isinstance(module, nn.Embedding):
             yield prefix + name, module
+        elif isinstance(module, Experts):
+            for part in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(module, part), nn.Parameter):
+                    yield f"{prefix}{name}.{part}", getattr(module, part)
+
+
+def float_weight(item: nn.Module | nn.Parameter) -> torch.Tensor:
+    return item if isinstance(item, torch.Tensor) else item.weight
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` at ``name`` (a module, or a parameter that becomes a module of the same name)."""
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._parameters.pop(child, None)  # an expert stack: the parameter gives way to the module
+    setattr(parent, child, new)
 
 
-def quantized_shell(module: nn.Module, fmt: Format, dtype: torch.dtype) -> QuantizedWeight:
-    """An empty quantized module standing in for ``module`` (an nn.Linear or nn.Embedding)."""
-    if isinstance(module, nn.Embedding):
-        return QuantizedEmbedding(module.num_embeddings, module.embedding_dim, fmt, dtype)
-    if module.bias is not None:
+def quantized_shell(item: nn.Module | nn.Parameter, fmt: Format, dtype: torch.dtype) -> QuantizedWeight:
+    """An empty quantized module standing in for ``item``: an nn.Linear, an nn.Embedding or a stack
+    of expert weights (E, N, K)."""
+    if isinstance(item, torch.Tensor):
+        return QuantizedStack(*item.shape, fmt, dtype)
+    if isinstance(item, nn.Embedding):
+        return QuantizedEmbedding(item.num_embeddings, item.embedding_dim, fmt, dtype)
+    if item.bias is not None:
         raise ValueError("quantized linear layers have no bias")
-    return QuantizedLinear(module.in_features, module.out_features, fmt, dtype)
+    return QuantizedLinear(item.in_features, item.out_features, fmt, dtype)
 
 
 def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = None) -> nn.Module:
@@ -100,11 +116,12 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
         mode_format(mode, group_size, 0)  # the error for a bad or load-only mode
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
     chosen, kept = choose_formats(list(quantizable(model)), lambda name, features: mode_format(mode, group_size, features))
+    items = dict(quantizable(model))
     for name, fmt in chosen.items():
-        module = model.get_submodule(name)
-        shell = quantized_shell(module, fmt, dtype).to(module.weight.device)
+        weight = float_weight(items[name])
+        shell = quantized_shell(items[name], fmt, dtype).to(weight.device)
         with torch.no_grad():
-            shell.set_weight(module.weight)
+            shell.set_weight(weight)
         replace_module(model, name, shell)
     model.quantization = record(mode, chosen, kept)
     if chosen and model_device(model).type == "cpu":
@@ -118,8 +135,8 @@ def choose_formats(modules, fmt_for) -> tuple[dict[str, Format], dict[str, str]]
     ``fmt_for(name, in_features)`` gives a module's format, or None to keep it as it is."""
     chosen: dict[str, Format] = {}
     kept: dict[str, str] = {}
-    for name, module in modules:
-        features = module.weight.shape[1]
+    for name, item in modules:
+        features = float_weight(item).shape[-1]
         fmt = fmt_for(name, features)
         if fmt is None:
             continue

@@ -154,6 +154,43 @@ class QuantizedEmbedding(QuantizedWeight):
         return self.matmul(x)
 
 
+class QuantizedStack(QuantizedWeight):
+    """The stacked weights of a mixture of experts, (E, N, K), quantized: ``linear(e, x)`` is expert
+    ``e``'s product, and indexing dequantizes the experts a static-shape (compiled) step gathers."""
+
+    def __init__(self, experts: int, rows: int, features: int, fmt: Format, dtype: torch.dtype = torch.float32):
+        super().__init__(experts * rows, features, fmt, dtype)
+        self.experts, self.rows = experts, rows
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        return (self.experts, self.rows, super().weight_shape[1])
+
+    def _part(self, name: str, expert: int) -> torch.Tensor | None:
+        buffer = getattr(self, name)
+        return None if buffer is None else buffer[expert * self.rows : (expert + 1) * self.rows]
+
+    def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        f = self.format
+        parts = [self._part(name, expert) for name in ("qweight", "scales", "mins")]
+        return torch.ops.torchgemma.qlinear(x, *parts, f.bits, f.group_size).to(x.dtype)
+
+    def __getitem__(self, experts: torch.Tensor) -> torch.Tensor:
+        """Experts ``experts`` (any shape) dequantized: (*experts.shape, N, K) in the model's dtype."""
+        rows = (experts.reshape(-1, 1) * self.rows + torch.arange(self.rows, device=experts.device)).reshape(-1)
+        return self.rows_of(rows).view(*experts.shape, self.rows, -1).to(self.compute_dtype)
+
+    def rows_of(self, index: torch.Tensor) -> torch.Tensor:
+        return QuantizedWeight.rows(self, index)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        super().set_weight(weight.reshape(-1, weight.shape[-1]))
+
+    def set_quantized(self, qweight, scales, mins) -> None:
+        flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (qweight, scales, mins)]
+        super().set_quantized(*flat)
+
+
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────
 
 

@@ -722,10 +722,11 @@ INT_TYPES: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
 
 
 def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GroupedInts:
-    """A 2-D tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``)."""
-    if qtype not in _INTS or len(shape) != 2:
+    """A tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``), its leading
+    dimensions flattened into rows (stacked experts: (E, N, K) -> E * N rows)."""
+    if qtype not in _INTS or len(shape) < 2:
         raise GGUFError(f"{qtype.name} tensors of shape {list(shape)} are not read as grouped integers")
-    rows, cols = shape
+    rows, cols = math.prod(shape[:-1]), shape[-1]
     block, type_size = GGML_QUANT_SIZES[qtype]
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if cols % block or raw.size != rows * cols // block * type_size:
@@ -861,7 +862,7 @@ class GGUFCheckpoint:
         not in ``INT_TYPES``, or it needs a conversion (split experts, Gemma 3's shifted norms)."""
         entry = self._entry(hf_name)
         info = self._gguf[entry.sources[0]]
-        if len(entry.sources) != 1 or entry.shift_norm or len(info.shape) != 2:
+        if len(entry.sources) != 1 or entry.shift_norm or len(info.shape) not in (2, 3):
             return None
         return INT_TYPES.get(info.qtype)
 

@@ -202,10 +202,13 @@ def _build(
     ``torchgemma.quantization`` applied while filling (``gguf``: the checkpoint, for mode "gguf")."""
     with torch.device("meta"):
         model = Gemma(config, attention).to(dtype=dtype)
+    items = targets_of(model)
     if config.quantization is not None:  # saved quantized: the checkpoint holds qweight/scales/mins
         for name, spec in config.quantization["layers"].items():
+            if name not in items:
+                raise CheckpointError(f"quantization_config names {name}, which the model has not")
             with torch.device("meta"):
-                shell = quantized_shell(_module(model, name), Format(**spec), dtype)
+                shell = quantized_shell(items[name], Format(**spec), dtype)
             replace_module(model, name, shell)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
     plan = match_tensors(model, config, tensors)
@@ -214,7 +217,7 @@ def _build(
         plan, chosen, kept = _quantize_plan(model, plan, quantize, gguf)
         for name, fmt in chosen.items():
             with torch.device("meta"):
-                shell = quantized_shell(model.get_submodule(name), fmt, dtype)
+                shell = quantized_shell(items[name], fmt, dtype)
             replace_module(model, name, shell)
         quantization = record(quantize, chosen, kept)
     if host_table:
@@ -232,11 +235,9 @@ def _build(
     return model.eval()
 
 
-def _module(model: nn.Module, name: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        raise CheckpointError(f"quantization_config names {name}, which the model has not") from None
+def targets_of(model: nn.Module) -> dict:
+    """The model's quantizable weights by name (``quantization.quantizable``)."""
+    return dict(quantizable(model))
 
 
 def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict, dict]:
@@ -246,8 +247,8 @@ def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tupl
     modules whose tensor the file stores as grouped integers, read as such (others stay float).
     """
     targets = dict(quantizable(model))
-    keys = {name.removesuffix(".weight"): key for name, key, _ in plan if name.endswith(".weight")}
-    modules = [(name, module) for name, module in targets.items() if name in keys]
+    keys = {name.removesuffix(".weight"): key for name, key, _ in plan}
+    modules = [(name, item) for name, item in targets.items() if name in keys]
     if mode == "gguf":
         spec = {name: gguf.int_format(keys[name]) for name, _ in modules}
         chosen, kept = choose_formats(modules, lambda name, features: spec[name] and Format(*spec[name]))
@@ -256,7 +257,7 @@ def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tupl
     new_plan = []
     for name, key, load in plan:
         module_name = name.removesuffix(".weight")
-        if mode == "gguf" and module_name in chosen and name.endswith(".weight"):
+        if mode == "gguf" and module_name in chosen:
             load = partial(gguf.grouped_ints, key)
         new_plan.append((name, key, load))
     return new_plan, chosen, kept
@@ -408,7 +409,7 @@ def fill(
     for name, key, load in plan:
         tensor = load()
         target = targets.get(name)
-        if target is None:  # the weight of a module quantized while loading
+        if target is None:  # the weight of a module (or expert stack) quantized while loading
             module = model.get_submodule(name.removesuffix(".weight"))
             assert isinstance(module, QuantizedWeight), name
             with torch.no_grad():
