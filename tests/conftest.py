@@ -16,6 +16,13 @@ from checkpoints import (  # noqa: E402
 )
 
 
+# On CPUs with AVX512-BF16, torch hands bf16 matrix products of more than 16^3 multiply-adds to
+# oneDNN and smaller ones to ATen's kernel, which sum in different orders: a row's bits then depend
+# on how many rows share the call, and transformers' own batched and single-row results differ (as
+# do a batched decode and the same sequence alone). With oneDNN off, every product takes ATen's
+# kernel, as on CPUs without AVX-512, and the bit-for-bit parity tests mean the same everywhere.
+torch.backends.mkldnn.enabled = False
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The default run has two workers (pytest-xdist, one per core of the 2-core machines it is
     # timed on): one torch thread each, or the two oversubscribe the cores and stall.
