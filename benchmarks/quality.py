@@ -1,0 +1,143 @@
+"""What quantization costs in quality, measured on the real Gemma 3 270M (Q4_K_M GGUF).
+
+For every mode of ``torchgemma.load`` on the file, against the full-precision run (the file's blocks
+dequantized to float32, ``quantize=None``):
+
+* greedy agreement: 64 new tokens on 5 prompts; tokens equal to the full-precision run's before the
+  first difference, and in all;
+* perplexity of ``data/passage.txt`` (one forward pass over the whole passage);
+* max |Δ logits| over every position of the passage.
+
+llama.cpp (llama-cpp-python, when installed) computes the same passage's perplexity from its own
+logits of the same file and the same token ids. The modes:
+
+    fp32   the GGUF dequantized to float32 (the reference row)
+    gguf   each tensor at the file's own precision (Q8_0, Q5_0, Q6_K as 8-bit groups, Q4_K as 4-bit)
+    int8   round-to-nearest 8-bit, one scale per row, of the dequantized float32 weights
+    int8-g32  the same with one scale per 32 values
+    int4   round-to-nearest 4-bit, scale and offset per 32, of the dequantized float32 weights
+
+    python benchmarks/quality.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torchgemma
+from torchgemma.weights.source import gemma3_270m
+
+PASSAGE = Path(__file__).parent / "data" / "passage.txt"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics state that",
+    "To make a good cup of tea, first",
+]
+MODES = {"fp32": (None, None), "gguf": ("gguf", None), "int8": ("int8", None), "int8-g32": ("int8", 32), "int4": ("int4", 32)}
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp(mean NLL of each next token) from (T, V) logits of ``ids``."""
+    logp = F.log_softmax(logits[:-1].double(), dim=-1)
+    target = torch.tensor(ids[1:])
+    return math.exp(-logp[torch.arange(len(target)), target].mean().item())
+
+
+def greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = torchgemma.generate(model, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[])
+    return out[0, ids.shape[1] :].tolist()
+
+
+def agreement(ours: list[int], reference: list[int]) -> tuple[int, int]:
+    """(tokens before the first difference, tokens equal position by position)."""
+    prefix = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), len(reference))
+    return prefix, sum(a == b for a, b in zip(ours, reference))
+
+
+def llama_cpp_quality(path: Path, ids: list[int], tokenizer, new: int) -> tuple[float, list[list[int]]] | None:
+    """llama.cpp's perplexity of the passage and its greedy tokens for PROMPTS."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
+        return None
+    llm = Llama(model_path=str(path), n_ctx=2048, n_batch=2048, logits_all=True, verbose=False)
+    llm.eval(ids)
+    ppl = perplexity(torch.tensor(llm.scores[: len(ids)]), ids)
+    tokens = []
+    for prompt in PROMPTS:
+        llm.reset()
+        out = []
+        for token in llm.generate(tokenizer.encode(prompt), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            out.append(token)
+            if len(out) == new:
+                break
+        tokens.append(out)
+    return ppl, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    path = gemma3_270m()
+    tokenizer = torchgemma.load_tokenizer("gemma3-270m")
+    ids = tokenizer.encode(PASSAGE.read_text())
+    rows, reference_logits, reference_tokens = {}, None, None
+    for name, (mode, group) in MODES.items():
+        if group is None:
+            model = torchgemma.load(path, quantize=mode)
+        else:
+            model = torchgemma.quantize(torchgemma.load(path, quantize=None), mode, group_size=group)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]))[0].float()
+        tokens = [greedy(model, tokenizer, p, args.new_tokens) for p in PROMPTS]
+        if reference_logits is None:
+            reference_logits, reference_tokens = logits, tokens
+        agree = [agreement(t, r) for t, r in zip(tokens, reference_tokens)]
+        rows[name] = {
+            "perplexity": perplexity(logits, ids),
+            "max_abs_dlogits": float((logits - reference_logits).abs().max()),
+            "greedy_prefix_agreement": [a for a, _ in agree],
+            "greedy_tokens_equal": sum(b for _, b in agree),
+            "greedy_tokens": len(PROMPTS) * args.new_tokens,
+        }
+        del model
+    llama = llama_cpp_quality(path, ids, tokenizer, args.new_tokens)
+    llama_ppl = None
+    if llama is not None:
+        llama_ppl, llama_tokens = llama
+        agree = [agreement(t, r) for t, r in zip(llama_tokens, reference_tokens)]
+    print(f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens")
+    print(f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'greedy equal':>13}  tokens before 1st difference")
+    for name, row in rows.items():
+        print(
+            f"{name:8} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
+            f"{row['greedy_tokens_equal']:>5}/{row['greedy_tokens']:<7}  {row['greedy_prefix_agreement']}"
+        )
+    if llama is not None:
+        equal = sum(b for _, b in agree)
+        print(
+            f"{'llama.cpp':8} {llama_ppl:11.4f} {'-':>15} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
+            f"{[a for a, _ in agree]}  (llama-cpp-python, the same file and token ids)"
+        )
+    if args.json:
+        print(json.dumps({"benchmark": "quality-270m", "passage_tokens": len(ids), "llama_cpp_perplexity": llama_ppl, "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
