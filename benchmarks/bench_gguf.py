@@ -1,15 +1,20 @@
-"""Prefill and decode speed on the real Gemma 3 270M (Q4_K_M GGUF): torchgemma, transformers, llama.cpp.
+"""Prefill, decode and peak memory on the real Gemma 3 270M (Q4_K_M GGUF): torchgemma in each
+weight mode, transformers and llama.cpp, in one run.
 
-One run, one machine, the same prompt tokens for all three:
-
-* torchgemma: the GGUF dequantized to the chosen dtype (float32 by default), eager PyTorch;
+* torchgemma ``gguf``: the file's own blocks (``load(..., quantize="gguf")``, the gemma3-270m
+  default), multiplied by the C++ kernels; ``int8`` / ``int4``: round-to-nearest of the dequantized
+  weights; ``fp32``: the file dequantized to float32;
 * transformers 5.23: the same file through its GGUF loader (float32), default attention (sdpa);
-* llama.cpp through llama-cpp-python, when installed: the Q4_K_M weights as they are.
+* llama.cpp through llama-cpp-python, when installed (built from source, see benchmarks/README.md):
+  the Q4_K_M weights as they are, the same thread count.
 
-Greedy decoding without stop tokens; the first token's arrival times the prefill, the rest the
-decode. Warm-up runs are excluded; figures are medians. Prints a table and a JSON line. Not a test.
+Greedy decoding without stop tokens from the same prompt tokens; the first token's arrival times the
+prefill, the rest the decode. For each thread count the implementations take turns within every
+round (interleaved), warm-up rounds are dropped, figures are medians. Peak memory is each
+implementation's maximum resident set size in a process of its own that loads the model and
+generates once (the same prompt and length). Prints a table and a JSON line. Not a test.
 
-    python benchmarks/bench_gguf.py [--runs 5] [--new-tokens 64] [--dtype fp32]
+    python benchmarks/bench_gguf.py [--threads 1 2] [--runs 5] [--new-tokens 64] [--modes gguf,int8,...]
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import machine, speeds, time_torchgemma, time_transformers  # noqa: E402
 
 import torchgemma  # noqa: E402
-from torchgemma.weights.loading import resolve_dtype  # noqa: E402
 from torchgemma.weights.source import gemma3_270m  # noqa: E402
 
 PROMPT = (
@@ -39,6 +45,10 @@ PROMPT = (
     "side, and every summer a festival fills the squares with music. Visitors who want to understand "
     "the place should start"
 )
+# torchgemma's weight modes: load(..., quantize=...), and the group size for round-to-nearest modes.
+MODES = {"gguf": ("gguf", None), "int8": ("int8", None), "int4": ("int4", 32), "fp32": (None, None)}
+TRANSFORMERS = "transformers (fp32)"
+LLAMA = "llama.cpp (Q4_K_M)"
 
 
 def time_llama_cpp(llm, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
@@ -53,83 +63,139 @@ def time_llama_cpp(llm, prompt: list[int], new_tokens: int) -> tuple[list[float]
     return stamps, tokens
 
 
+def build(name: str, threads: int):
+    """(timer, model, prompt) for one implementation."""
+    path = gemma3_270m()
+    ids = torchgemma.load_tokenizer("gemma3-270m").encode(PROMPT)
+    if name.startswith("torchgemma"):
+        mode, group = MODES[name.split()[1]]
+        if group is None:
+            model = torchgemma.load(path, quantize=mode, progress=False)
+        else:
+            model = torchgemma.quantize(torchgemma.load(path, quantize=None, progress=False), mode, group_size=group)
+        return time_torchgemma, model, torch.tensor([ids])
+    if name == TRANSFORMERS:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        return time_transformers, model.eval(), torch.tensor([ids])
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+    return time_llama_cpp, llm, ids
+
+
+def peak_rss(name: str, threads: int, new_tokens: int) -> float:
+    """MiB: the peak resident set of a process that loads ``name`` and generates once."""
+    # VmHWM, the high-water mark of this process's own memory (ru_maxrss would carry the parent's
+    # across fork and exec).
+    if name == LLAMA:  # llama.cpp alone, without torch in the process
+        ids = torchgemma.load_tokenizer("gemma3-270m").encode(PROMPT)
+        code = (
+            "from llama_cpp import Llama;"
+            f"llm = Llama(model_path={str(gemma3_270m())!r}, n_ctx=1024, n_threads={threads}, n_batch=512, verbose=False);"
+            f"g = llm.generate({ids!r}, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0);"
+            f"[next(g) for _ in range({new_tokens})];"
+            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return int(done.stdout.strip().splitlines()[-1]) / 1024
+    code = (
+        "import sys, warnings, torch; warnings.simplefilter('ignore');"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.set_num_threads({threads});"
+        "import bench_gguf as b;"
+        f"timer, model, prompt = b.build({name!r}, {threads}); timer(model, prompt, {new_tokens});"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.strip().splitlines()[-1]) / 1024  # kB -> MiB
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="fp32", help="torchgemma's dtype (transformers runs float32)")
-    parser.add_argument("--threads", type=int, default=None, help="threads for all three (default: torch's)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", default=",".join(MODES), help="torchgemma modes, comma-separated")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
+    warnings.simplefilter("ignore")
 
-    path = gemma3_270m()
-    tokenizer = torchgemma.load_tokenizer("gemma3-270m")
-    ids = tokenizer.encode(PROMPT)
-    prompt = torch.tensor([ids])
-
-    runners = {
-        "torchgemma": (time_torchgemma, torchgemma.load(path, dtype=resolve_dtype(args.dtype)), prompt)
-    }
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    runners["transformers (sdpa, fp32)"] = (time_transformers, reference, prompt)
+    names = [f"torchgemma {m}" for m in args.modes.split(",") if m]
+    if not args.no_transformers:
+        names.append(TRANSFORMERS)
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
 
-        llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
-        runners["llama.cpp (Q4_K_M)"] = (time_llama_cpp, llm, ids)
+        names.append(LLAMA)
     except ImportError:
         print("llama-cpp-python is not installed: llama.cpp is not timed", file=sys.stderr)
 
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
-    outputs = {}
-    for run in range(args.warmup + args.runs):
-        for name, (timer, model, inputs) in runners.items():
-            stamps, tokens = timer(model, inputs, args.new_tokens)
-            if run >= args.warmup:
-                samples[name].append(speeds(stamps, len(ids)))
-            outputs[name] = [
-                int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)
-            ]
-
-    rows = {
-        name: {
-            "prefill_tok_s": statistics.median(s[0] for s in runs),
-            "decode_tok_s": statistics.median(s[1] for s in runs),
-            "same_tokens_as_torchgemma": outputs[name] == outputs["torchgemma"],
+    results: dict[str, dict] = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        runners = {name: build(name, threads) for name in names}
+        prompt_len = len(runners[names[0]][2][0])
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+        outputs = {}
+        for run in range(args.warmup + args.runs):
+            for name, (timer, model, inputs) in runners.items():
+                stamps, tokens = timer(model, inputs, args.new_tokens)
+                if run >= args.warmup:
+                    samples[name].append(speeds(stamps, prompt_len))
+                outputs[name] = [int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)]
+        del runners
+        reference = outputs.get("torchgemma fp32", outputs[names[0]])
+        results[str(threads)] = {
+            name: {
+                "prefill_tok_s": statistics.median(s[0] for s in runs),
+                "decode_tok_s": statistics.median(s[1] for s in runs),
+                "greedy_equal_to_fp32": sum(a == b for a, b in zip(outputs[name], reference)),
+            }
+            for name, runs in samples.items()
         }
-        for name, runs in samples.items()
-    }
-    base = rows["transformers (sdpa, fp32)"]
+    memory = {}
+    if not args.no_memory:
+        memory = {name: peak_rss(name, args.threads[0], args.new_tokens) for name in names}
+
+    info = machine()
     print(
-        f"Gemma 3 270M, prompt {len(ids)} tokens, {args.new_tokens} new tokens, {threads} threads, "
-        f"median of {args.runs} runs (torchgemma {args.dtype})"
+        f"\nGemma 3 270M Q4_K_M, prompt {prompt_len} tokens, {args.new_tokens} new tokens, greedy, batch 1; "
+        f"median of {args.runs} interleaved runs after {args.warmup} warm-up"
     )
     print(
-        f"{'':28} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs transformers':>23} {'same tokens':>12}"
+        f"{info['cpu']}, {info['cores']} cores, load average {info['load_average']}, torch {info['torch']}, "
+        f"commit {info['commit']}"
     )
-    for name, row in rows.items():
-        ratio = row["decode_tok_s"] / base["decode_tok_s"]
-        print(
-            f"{name:28} {row['prefill_tok_s']:14.1f} {row['decode_tok_s']:13.1f} {ratio:22.2f}x "
-            f"{str(row['same_tokens_as_torchgemma']):>12}"
-        )
+    header = (
+        f"{'threads':>7} {'implementation':22} {'prefill tok/s':>14} {'decode tok/s':>13} "
+        f"{'decode vs llama.cpp':>20} {'prefill vs llama.cpp':>21} {'tokens = fp32':>14} {'peak RSS MiB':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for threads, rows in results.items():
+        peer = rows.get(LLAMA)
+        for name, row in rows.items():
+            vs_d = f"{row['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if peer else "-"
+            vs_p = f"{row['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer else "-"
+            rss = f"{memory[name]:.0f}" if name in memory and threads == str(args.threads[0]) else ""
+            print(
+                f"{threads:>7} {name:22} {row['prefill_tok_s']:14.1f} {row['decode_tok_s']:13.1f} {vs_d:>20} "
+                f"{vs_p:>21} {row['greedy_equal_to_fp32']:>8}/{args.new_tokens:<5} {rss:>13}"
+            )
     print(
         json.dumps(
             {
                 "benchmark": "gguf-270m",
-                "prompt_tokens": len(ids),
+                "prompt_tokens": prompt_len,
                 "new_tokens": args.new_tokens,
-                "torchgemma_dtype": args.dtype,
-                "threads": threads,
-                **machine(),
-                "results": rows,
+                "runs": args.runs,
+                **info,
+                "results": results,
+                "peak_rss_mib": memory,
+                "memory_threads": args.threads[0],
             }
         )
     )

@@ -276,6 +276,17 @@ class _GGUFFile:
                 f"{self.name} is truncated: tensor {info.name} needs bytes up to {end}, file has {self.size}"
             )
 
+    def release(self, info: _TensorInfo) -> None:
+        """Drop the tensor's pages from this process's memory once it has been read (a later read
+        faults them in again from the file): loading then holds one tensor's pages at a time, not
+        the whole file's."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(info.offset + info.n_bytes, self.size)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def raw(self, info: _TensorInfo) -> np.ndarray:
         """The tensor's stored data, zero-copy, shaped as `gguf.quants.dequantize` expects."""
         self.check(info)
@@ -871,7 +882,9 @@ class GGUFCheckpoint:
         if self.int_format(hf_name) is None:
             raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
         info = self._gguf[self._entry(hf_name).sources[0]]
-        return grouped_ints(self._file.raw(info), info.qtype, info.shape)
+        ints = grouped_ints(self._file.raw(info), info.qtype, info.shape)
+        self._file.release(info)
+        return ints
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` for every checkpoint tensor, one dequantized tensor at a time.
@@ -905,9 +918,13 @@ class GGUFCheckpoint:
             # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
             # float32, where the converter added it, before any cast.
             (info,) = parts
-            return (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
-        values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
-        return values[0] if len(values) == 1 else torch.cat(values, dim=1)
+            tensor = (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
+        else:
+            values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
+            tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        for info in parts:
+            self._file.release(info)
+        return tensor
 
     def _check_types(self) -> None:
         for entry in self._entries:
