@@ -109,3 +109,21 @@ def test_cuda_graph_engine_matches_eager(gen_checkpoints, style):
     model = torchgemma.compile(torchgemma.load(gen_checkpoints[style], dtype=torch.float32, device="cuda"))
     assert model.compiled_decode.cuda_graphs
     assert run(Engine(model, max_batch_size=3, max_len=32), requests, joins, new=8) == expected
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_quantized_decode_step_is_one_graph(text_checkpoints, style):
+    """Quantized layers are torch.library operators with fake kernels: the static decode step of a
+    quantized model (E2B: tables and PLE; 26B: expert stacks, gathered) still traces as one graph."""
+    model = torchgemma.load(text_checkpoints[style], quantize="int8")
+    cache = model.make_cache(2, 16)
+    tokens, positions, active = torch.tensor([[5], [6]]), torch.tensor([3, 0]), torch.tensor([True, False])
+    explained = torch._dynamo.explain(decode_step)(model, cache, tokens, positions, active)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    compiled = torch.compile(decode_step, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        expected = decode_step(model, cache, tokens, positions, active)
+        got = compiled(model, cache, tokens, positions, active)
+    # 26B: the eager step multiplies quantized expert stacks, the traced one dequantizes gathers.
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()

@@ -123,9 +123,9 @@ class QuantizedWeight(nn.Module):
             setattr(self, name, value.to(current.device).contiguous())
 
     def extra_repr(self) -> str:
-        n, k = self.weight_shape
         f = self.format
-        return f"rows={n}, features={k}, bits={f.bits}, group_size={f.group_size}, mins={f.has_mins}"
+        shape = "x".join(str(d) for d in self.weight_shape)
+        return f"{shape}, bits={f.bits}, group_size={f.group_size}, mins={f.has_mins}"
 
 
 class QuantizedLinear(QuantizedWeight):
