@@ -319,3 +319,16 @@ def test_quantized_experts_grouped_and_gathered_paths_agree(text_checkpoints):
         grouped = layer.experts.grouped(x, weights, experts)
         gathered = layer.experts.gathered(x, weights, experts)
     assert (grouped - gathered).abs().max() <= 1e-5 * grouped.abs().max()
+
+
+@pytest.mark.parametrize(("style", "mode"), [("e2b", "int8"), ("31b", "int4"), ("26b", "int8")])
+def test_info_weight_bytes_are_what_quantize_stores(text_checkpoints, style, mode):
+    """`torchgemma info`'s int8/int4 figures, from the config alone, equal the bytes of the model
+    quantize builds (its float tensors in bf16)."""
+    from torchgemma.info import describe
+
+    folder = text_checkpoints[style]
+    model = torchgemma.load(folder, dtype=torch.bfloat16, quantize=mode)
+    assert not model.quantization["kept"]
+    stored = sum(t.nbytes for t in model.state_dict().values())
+    assert describe(model.config)["weights_bytes"][mode] == stored

@@ -17,6 +17,7 @@ from .cache import sliding_ring
 from .config import ConfigError, ModelConfig
 from .model import Gemma
 from .model.text import Experts
+from .quantization import quantizable as quantizable_weights
 from .weights.source import resolve_source
 
 GIB = 2**30
@@ -36,6 +37,8 @@ class TensorShape:
     buffer: bool = False
     # Stacked expert weights (E, ...): a token reads only top_k of the E slices.
     experts: bool = False
+    # torchgemma.quantize replaces it (the text decoder's matrices but the router's).
+    quantizable: bool = False
 
     @property
     def numel(self) -> int:
@@ -53,7 +56,11 @@ def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
         if isinstance(module, Experts)
         for name, _ in module.named_parameters()
     }
-    tensors = [TensorShape(n, tuple(p.shape), experts=n in experts) for n, p in model.named_parameters()]
+    quantizable = {name if isinstance(item, torch.Tensor) else f"{name}.weight" for name, item in quantizable_weights(model)}
+    tensors = [
+        TensorShape(n, tuple(p.shape), experts=n in experts, quantizable=n in quantizable)
+        for n, p in model.named_parameters()
+    ]
     tensors += [TensorShape(n, tuple(b.shape), True) for n, b in model.named_buffers() if n in persistent]
     towers: dict[str, list[TensorShape]] = {"language_model": []}
     for tensor in tensors:
@@ -99,19 +106,21 @@ def active_params(config: ModelConfig, tensors: list[TensorShape]) -> int:
 
 
 def weight_bytes(tensors: list[TensorShape], scheme: str) -> int:
-    """Bytes of ``tensors`` stored as bf16, or weight-only int8 / int4 for every matrix.
+    """Bytes of ``tensors`` stored as bf16, or as ``torchgemma.quantize(model, "int8" / "int4")``
+    stores them.
 
-    int8: one byte per weight plus a bf16 scale per output row; int4: half a byte per weight plus a
-    bf16 scale per group of 32. Vectors (norms, scalars) stay bf16.
+    int8: one byte per weight plus a float32 scale per row; int4: half a byte per weight plus a
+    float32 scale and offset per group of 32. What quantize leaves alone (norms, the router, the
+    vision and audio towers) stays bf16.
     """
     total = 0
     for t in tensors:
-        if scheme == "bf16" or len(t.shape) < 2:
+        if scheme == "bf16" or not t.quantizable:
             total += 2 * t.numel
         elif scheme == "int8":
-            total += t.numel + 2 * (t.numel // t.shape[-1])
+            total += t.numel + 4 * (t.numel // t.shape[-1])
         elif scheme == "int4":
-            total += t.numel // 2 + 2 * math.ceil(t.numel / 32)
+            total += t.numel // 2 + 8 * math.ceil(t.numel / 32)
         else:
             raise ValueError(f"unknown weight scheme {scheme!r}")
     return total
