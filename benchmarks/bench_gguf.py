@@ -72,7 +72,9 @@ def build(name: str, threads: int):
         if group is None:
             model = torchgemma.load(path, quantize=mode, progress=False)
         else:
-            model = torchgemma.quantize(torchgemma.load(path, quantize=None, progress=False), mode, group_size=group)
+            model = torchgemma.quantize(
+                torchgemma.load(path, quantize=None, progress=False), mode, group_size=group
+            )
         return time_torchgemma, model, torch.tensor([ids])
     if name == TRANSFORMERS:
         from transformers import AutoModelForCausalLM
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                 stamps, tokens = timer(model, inputs, args.new_tokens)
                 if run >= args.warmup:
                     samples[name].append(speeds(stamps, prompt_len))
-                outputs[name] = [int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)]
+                outputs[name] = [
+                    int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)
+                ]
         del runners
         reference = outputs.get("torchgemma fp32", outputs[names[0]])
         results[str(threads)] = {

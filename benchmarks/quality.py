@@ -43,7 +43,13 @@ PROMPTS = [
     "The three laws of thermodynamics state that",
     "To make a good cup of tea, first",
 ]
-MODES = {"fp32": (None, None), "gguf": ("gguf", None), "int8": ("int8", None), "int8-g32": ("int8", 32), "int4": ("int4", 32)}
+MODES = {
+    "fp32": (None, None),
+    "gguf": ("gguf", None),
+    "int8": ("int8", None),
+    "int8-g32": ("int8", 32),
+    "int4": ("int4", 32),
+}
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -65,7 +71,9 @@ def agreement(ours: list[int], reference: list[int]) -> tuple[int, int]:
     return prefix, sum(a == b for a, b in zip(ours, reference))
 
 
-def llama_cpp_quality(path: Path, ids: list[int], tokenizer, new: int) -> tuple[float, list[list[int]]] | None:
+def llama_cpp_quality(
+    path: Path, ids: list[int], tokenizer, new: int
+) -> tuple[float, list[list[int]]] | None:
     """llama.cpp's perplexity of the passage and its greedy tokens for PROMPTS."""
     try:
         from llama_cpp import Llama
@@ -121,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     if llama is not None:
         llama_ppl, llama_tokens = llama
         agree = [agreement(t, r) for t, r in zip(llama_tokens, reference_tokens)]
-    print(f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens")
-    print(f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'greedy equal':>13}  tokens before 1st difference")
+    print(
+        f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens"
+    )
+    print(
+        f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'greedy equal':>13}  tokens before 1st difference"
+    )
     for name, row in rows.items():
         print(
             f"{name:8} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
@@ -135,7 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{[a for a, _ in agree]}  (llama-cpp-python, the same file and token ids)"
         )
     if args.json:
-        print(json.dumps({"benchmark": "quality-270m", "passage_tokens": len(ids), "llama_cpp_perplexity": llama_ppl, "results": rows}))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "quality-270m",
+                    "passage_tokens": len(ids),
+                    "llama_cpp_perplexity": llama_ppl,
+                    "results": rows,
+                }
+            )
+        )
     return 0
 
 

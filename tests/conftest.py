@@ -15,7 +15,6 @@ from checkpoints import (  # noqa: E402
     text_config,
 )
 
-
 # On CPUs with AVX512-BF16, torch hands bf16 matrix products of more than 16^3 multiply-adds to
 # oneDNN and smaller ones to ATen's kernel, which sum in different orders: a row's bits then depend
 # on how many rows share the call, and transformers' own batched and single-row results differ (as

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import torchgemma
+from checkpoints import STYLES
 from torchgemma.config import ConfigError
 from torchgemma.model.text import Embedding
 from torchgemma.quantization import (
@@ -29,8 +30,6 @@ from torchgemma.quantization import (
     quantize,
     quantize_rtn,
 )
-
-from checkpoints import STYLES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,11 +89,15 @@ def test_operators_pass_torch_library_opcheck(op):
     ensure_kernels()
     q = kernels.pack(random_ints(8, 64, 4), 4)
     scales, offsets = torch.rand(8, 2), torch.randn(8, 2)
-    args = (q, scales, offsets, 4, 32) if op == "dequantize" else (torch.randn(3, 64), q, scales, offsets, 4, 32)
+    args = (
+        (q, scales, offsets, 4, 32) if op == "dequantize" else (torch.randn(3, 64), q, scales, offsets, 4, 32)
+    )
     torch.library.opcheck(getattr(torch.ops.torchgemma, op).default, args)
 
 
-@pytest.mark.parametrize(("bits", "group", "mins"), [(8, 64, False), (8, 32, True), (4, 32, True), (4, 64, True)])
+@pytest.mark.parametrize(
+    ("bits", "group", "mins"), [(8, 64, False), (8, 32, True), (4, 32, True), (4, 64, True)]
+)
 def test_round_to_nearest_is_within_half_a_step(bits, group, mins):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(16, 128, generator=gen)
@@ -127,7 +130,9 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CXX"}
     env["PATH"] = str(tmp_path)  # nothing to compile with
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")  # and no earlier build to load
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "no C++ compiler found" in done.stdout and "pure-PyTorch" in done.stdout
     assert "fallback ok" in done.stdout
@@ -149,7 +154,9 @@ def _relative_rms(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("style", list(STYLES))
-@pytest.mark.parametrize(("mode", "group", "tolerance"), [("int8", None, 0.03), ("int8", 32, 0.03), ("int4", 32, 0.3)])
+@pytest.mark.parametrize(
+    ("mode", "group", "tolerance"), [("int8", None, 0.03), ("int8", 32, 0.03), ("int4", 32, 0.3)]
+)
 def test_quantized_model_stays_close_to_full_precision(text_checkpoints, style, mode, group, tolerance):
     """Every style: the decoder's linear layers and token tables quantized; logits within a relative
     RMS error of the float model's (another model is ~1.4 away), the same top-1 token nearly always."""
@@ -162,7 +169,9 @@ def test_quantized_model_stays_close_to_full_precision(text_checkpoints, style, 
         for n, m in model.named_modules()
         if type(m) in (torch.nn.Linear, Embedding) and n.startswith("language_model.") and "router" not in n
     }
-    plain |= {n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    plain |= {
+        n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
     assert plain == set(model.quantization["kept"])  # only what the format cannot hold stays float
     assert set(model.quantization["layers"]).isdisjoint(plain)
     assert isinstance(model.language_model.embed_tokens, QuantizedEmbedding)
@@ -203,7 +212,9 @@ def test_cached_decode_of_a_quantized_model_equals_its_full_forward(text_checkpo
     cache = model.make_cache(1, 16)
     with torch.inference_mode():
         full = model(ids)
-        steps = [model(ids[:, :4], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(4, 11)]
+        steps = [model(ids[:, :4], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(4, 11)
+        ]
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
 
 
@@ -267,7 +278,9 @@ def test_per_layer_table_on_the_host_gives_the_same_bits(text_checkpoints, quant
     plain = torchgemma.load(folder, quantize=quantized, per_layer_table="device")
     host = torchgemma.load(folder, quantize=quantized, per_layer_table="host")
     table = host.language_model.embed_tokens_per_layer
-    assert isinstance(table, HostPlacement) and not isinstance(plain.language_model.embed_tokens_per_layer, HostPlacement)
+    assert isinstance(table, HostPlacement) and not isinstance(
+        plain.language_model.embed_tokens_per_layer, HostPlacement
+    )
     assert torch.equal(_logits(host, IDS), _logits(plain, IDS))
     cache_host, cache_plain = host.make_cache(2, 16), plain.make_cache(2, 16)
     with torch.inference_mode():

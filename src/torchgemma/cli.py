@@ -847,8 +847,12 @@ def cmd_debug_trace(args: argparse.Namespace) -> int:
     from .weights.loading import load
 
     dtype = resolve_dtype(args.dtype)
+    # The float model (quantize=None): the trace is about the dtype's range, not quantized weights.
     model = load(
-        args.model, dtype=torch.float32 if dtype == torch.float16 else dtype, attention=args.attention
+        args.model,
+        dtype=torch.float32 if dtype == torch.float16 else dtype,
+        attention=args.attention,
+        quantize=None,
     )
     if dtype == torch.float16:
         model = model.to(torch.float16)  # refused by load for running; here to show where it breaks

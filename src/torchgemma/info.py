@@ -56,7 +56,10 @@ def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
         if isinstance(module, Experts)
         for name, _ in module.named_parameters()
     }
-    quantizable = {name if isinstance(item, torch.Tensor) else f"{name}.weight" for name, item in quantizable_weights(model)}
+    quantizable = {
+        name if isinstance(item, torch.Tensor) else f"{name}.weight"
+        for name, item in quantizable_weights(model)
+    }
     tensors = [
         TensorShape(n, tuple(p.shape), experts=n in experts, quantizable=n in quantizable)
         for n, p in model.named_parameters()

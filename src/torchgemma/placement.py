@@ -68,7 +68,10 @@ def keep_on_host(table: nn.Module) -> nn.Module:
         f = table.format
         with torch.device("meta"):
             host = HostQuantizedEmbedding(
-                table.num_embeddings, table.embedding_dim, Format(f.bits, f.group_size, f.has_mins), table.compute_dtype
+                table.num_embeddings,
+                table.embedding_dim,
+                Format(f.bits, f.group_size, f.has_mins),
+                table.compute_dtype,
             )
         for name in ("qweight", "scales", "mins"):
             setattr(host, name, getattr(table, name))

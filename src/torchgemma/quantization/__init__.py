@@ -26,9 +26,16 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .kernels import ensure_kernels, kernel_status
 from ..model.text import Experts
-from .modules import Format, QuantizedEmbedding, QuantizedLinear, QuantizedStack, QuantizedWeight, quantize_rtn
+from .kernels import ensure_kernels, kernel_status
+from .modules import (
+    Format,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedStack,
+    QuantizedWeight,
+    quantize_rtn,
+)
 
 MODES = ("int8", "int4", "gguf")
 
@@ -115,7 +122,9 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
     if mode == "gguf" or mode not in MODES:
         mode_format(mode, group_size, 0)  # the error for a bad or load-only mode
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
-    chosen, kept = choose_formats(list(quantizable(model)), lambda name, features: mode_format(mode, group_size, features))
+    chosen, kept = choose_formats(
+        list(quantizable(model)), lambda name, features: mode_format(mode, group_size, features)
+    )
     items = dict(quantizable(model))
     for name, fmt in chosen.items():
         weight = float_weight(items[name])

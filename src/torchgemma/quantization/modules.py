@@ -57,7 +57,9 @@ class QuantizedWeight(nn.Module):
         self.compute_dtype = dtype  # what forward returns (the model's dtype)
         groups = features // fmt.group_size
         packed = features if fmt.bits == 8 else features // 2
-        self.register_buffer("qweight", torch.empty(rows, packed, dtype=torch.int8 if fmt.bits == 8 else torch.uint8))
+        self.register_buffer(
+            "qweight", torch.empty(rows, packed, dtype=torch.int8 if fmt.bits == 8 else torch.uint8)
+        )
         self.register_buffer("scales", torch.empty(rows, groups, dtype=torch.float32))
         self.register_buffer("mins", torch.empty(rows, groups, dtype=torch.float32) if fmt.has_mins else None)
 
@@ -100,7 +102,9 @@ class QuantizedWeight(nn.Module):
         f = self.format
         flat = index.reshape(-1)
         mins = None if self.mins is None else self.mins[flat]
-        values = kernels._dequantize_reference(self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size)
+        values = kernels._dequantize_reference(
+            self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size
+        )
         return values.view(*index.shape, -1)
 
     def set_weight(self, weight: torch.Tensor) -> None:
@@ -143,7 +147,9 @@ class QuantizedEmbedding(QuantizedWeight):
     """A token table with quantized rows: a lookup dequantizes only the rows it reads, and
     ``as_linear`` makes it the tied LM head."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: Format, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, fmt: Format, dtype: torch.dtype = torch.float32
+    ):
         super().__init__(num_embeddings, embedding_dim, fmt, dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
@@ -158,7 +164,9 @@ class QuantizedStack(QuantizedWeight):
     """The stacked weights of a mixture of experts, (E, N, K), quantized: ``linear(e, x)`` is expert
     ``e``'s product, and indexing dequantizes the experts a static-shape (compiled) step gathers."""
 
-    def __init__(self, experts: int, rows: int, features: int, fmt: Format, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, experts: int, rows: int, features: int, fmt: Format, dtype: torch.dtype = torch.float32
+    ):
         super().__init__(experts * rows, features, fmt, dtype)
         self.experts, self.rows = experts, rows
 
@@ -177,7 +185,9 @@ class QuantizedStack(QuantizedWeight):
 
     def __getitem__(self, experts: torch.Tensor) -> torch.Tensor:
         """Experts ``experts`` (any shape) dequantized: (*experts.shape, N, K) in the model's dtype."""
-        rows = (experts.reshape(-1, 1) * self.rows + torch.arange(self.rows, device=experts.device)).reshape(-1)
+        rows = (experts.reshape(-1, 1) * self.rows + torch.arange(self.rows, device=experts.device)).reshape(
+            -1
+        )
         return self.rows_of(rows).view(*experts.shape, self.rows, -1).to(self.compute_dtype)
 
     def rows_of(self, index: torch.Tensor) -> torch.Tensor:

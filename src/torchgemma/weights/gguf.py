@@ -751,7 +751,9 @@ def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
             group,
             torch.from_numpy(np.ascontiguousarray(q).reshape(rows, width)),
             torch.from_numpy(np.ascontiguousarray(scales, np.float32).reshape(rows, cols // group)),
-            None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, np.float32).reshape(rows, -1)),
+            None
+            if mins is None
+            else torch.from_numpy(np.ascontiguousarray(mins, np.float32).reshape(rows, -1)),
         )
 
 

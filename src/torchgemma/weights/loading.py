@@ -126,7 +126,9 @@ def load(
         raise ValueError(f'quantize="gguf" keeps a GGUF file\'s blocks, and {path} is not a .gguf file')
     config = ModelConfig.from_file(path)
     if config.quantization is not None and quantize is not None:
-        raise ValueError(f"{path} is already quantized ({config.quantization['mode']}): load it without quantize")
+        raise ValueError(
+            f"{path} is already quantized ({config.quantization['mode']}): load it without quantize"
+        )
     with ExitStack() as stack:
         tensors = list(read_safetensors(safetensors_files(path), stack))
         check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
