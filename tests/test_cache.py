@@ -70,6 +70,7 @@ def test_cached_equals_full_forward_in_float64(text_checkpoints, style, backend)
     assert (cached[valid] - full[valid]).abs().max() < 1e-10
 
 
+@pytest.mark.usefixtures("aten_bf16")
 @pytest.mark.parametrize("style", list(STYLES))
 def test_slots_decode_like_transformers_alone(text_checkpoints, style):
     """bf16: two sequences of different lengths in two slots, decoded together, each equal to the bit

@@ -67,6 +67,7 @@ def test_greedy_matches_transformers(gen_checkpoints, style, dtype):
     assert end <= 4 and all(t == 0 for t in row[end + 1 :])
 
 
+@pytest.mark.usefixtures("aten_bf16")
 @pytest.mark.parametrize("style", ["e2b", "e4b", "26b"])
 def test_step_logits_match_transformers(gen_checkpoints, style):
     """prefill and decode_step give transformers' generate() next-token logits to the bit (bf16)."""

@@ -74,6 +74,28 @@ def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows):
     assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
 
 
+@pytest.mark.parametrize(
+    ("bits", "group", "mins"), [(8, 32, False), (8, 192, False), (8, 16, True), (4, 32, True)]
+)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins):
+    """Decode batches of 1 to 15 rows: each row's products equal, to the bit, that row alone (the
+    engine promises a request what it would get alone)."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k = 29, 192
+    q = kernels.pack(random_ints(n, k, bits, seed=5), bits)
+    gen = torch.Generator().manual_seed(2)
+    scales = torch.rand(n, k // group, generator=gen)
+    offsets = torch.randn(n, k // group, generator=gen) if mins else None
+    x = torch.randn(15, k, generator=gen)
+    alone = torch.cat(
+        [torch.ops.torchgemma.qlinear(x[i : i + 1], q, scales, offsets, bits, group) for i in range(15)]
+    )
+    for rows in (2, 3, 4, 5, 8, 15):
+        together = torch.ops.torchgemma.qlinear(x[:rows], q, scales, offsets, bits, group)
+        assert torch.equal(together, alone[:rows]), rows
+
+
 def test_operators_check_their_inputs():
     q = kernels.pack(random_ints(4, 64, 8), 8)
     scales = torch.ones(4, 2)
