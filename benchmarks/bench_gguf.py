@@ -98,10 +98,8 @@ def peak_rss(name: str, threads: int, new_tokens: int) -> float:
             f"llm = Llama(model_path={str(gemma3_270m())!r}, n_ctx=1024, n_threads={threads}, n_batch=512, verbose=False);"
             f"g = llm.generate({ids!r}, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0);"
             f"[next(g) for _ in range({new_tokens})];"
-            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
         )
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        return int(done.stdout.strip().splitlines()[-1]) / 1024
+        return _high_water(code)
     if name.startswith("torchgemma"):  # torchgemma alone: no benchmark helpers, no transformers
         mode, group = MODES[name.split()[1]]
         load = (
@@ -117,17 +115,20 @@ def peak_rss(name: str, threads: int, new_tokens: int) -> float:
             f"torch.set_num_threads({threads}); path = {str(gemma3_270m())!r}; model = {load};"
             f"ids = torch.tensor([{ids!r}]);"
             f"torchgemma.generate(model, ids, max_new_tokens={new_tokens}, temperature=0.0, stop_token_ids=[]);"
-            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
         )
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        return int(done.stdout.strip().splitlines()[-1]) / 1024
+        return _high_water(code)
     code = (
         "import sys, warnings, torch; warnings.simplefilter('ignore');"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.set_num_threads({threads});"
         "import bench_gguf as b;"
         f"timer, model, prompt = b.build({name!r}, {threads}); timer(model, prompt, {new_tokens});"
-        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
     )
+    return _high_water(code)
+
+
+def _high_water(code: str) -> float:
+    """MiB: the peak resident set (VmHWM) of a Python process running ``code``."""
+    code += "\nprint([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(done.stdout.strip().splitlines()[-1]) / 1024  # kB -> MiB
 
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs = {}
         for run in range(args.warmup + args.runs):
             for name, (timer, model, inputs) in runners.items():
+                # llama.cpp's worker threads spin a while after each call: let them settle, so
+                # that they do not take a core from whoever runs next.
+                time.sleep(0.5)
                 stamps, tokens = timer(model, inputs, args.new_tokens)
                 if run >= args.warmup:
                     samples[name].append(speeds(stamps, prompt_len))

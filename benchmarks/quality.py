@@ -6,7 +6,9 @@ dequantized to float32, ``quantize=None``):
 * greedy agreement: 64 new tokens on 5 prompts; tokens equal to the full-precision run's before the
   first difference, and in all;
 * perplexity of ``data/passage.txt`` (one forward pass over the whole passage);
-* max |Δ logits| over every position of the passage.
+* max |Δ logits| over every position of the passage, in one forward pass (calls of 16 rows or more
+  dequantize each weight and use the float32 BLAS) and token by token through the cache for the
+  passage's first 64 tokens (one-row calls: the C++ kernels).
 
 llama.cpp (llama-cpp-python, when installed) computes the same passage's perplexity from its own
 logits of the same file and the same token ids. The modes:
@@ -59,6 +61,13 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-logp[torch.arange(len(target)), target].mean().item())
 
 
+def stepwise_logits(model, ids: list[int], steps: int) -> torch.Tensor:
+    """(steps, V) logits of ``ids[:steps]`` fed one token at a time through a cache."""
+    cache = model.make_cache(1, steps)
+    with torch.inference_mode():
+        return torch.cat([model(torch.tensor([[i]]), cache=cache)[0].float() for i in ids[:steps]])
+
+
 def greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
     ids = torch.tensor([tokenizer.encode(prompt)])
     out = torchgemma.generate(model, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[])
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     path = gemma3_270m()
     tokenizer = torchgemma.load_tokenizer("gemma3-270m")
     ids = tokenizer.encode(PASSAGE.read_text())
-    rows, reference_logits, reference_tokens = {}, None, None
+    rows, reference_logits, reference_tokens, reference_steps = {}, None, None, None
     for name, (mode, group) in MODES.items():
         if group is None:
             model = torchgemma.load(path, quantize=mode)
@@ -112,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             model = torchgemma.quantize(torchgemma.load(path, quantize=None), mode, group_size=group)
         with torch.inference_mode():
             logits = model(torch.tensor([ids]))[0].float()
+        steps = stepwise_logits(model, ids, 64)
         tokens = [greedy(model, tokenizer, p, args.new_tokens) for p in PROMPTS]
         if reference_logits is None:
-            reference_logits, reference_tokens = logits, tokens
+            reference_logits, reference_tokens, reference_steps = logits, tokens, steps
         agree = [agreement(t, r) for t, r in zip(tokens, reference_tokens)]
         rows[name] = {
             "perplexity": perplexity(logits, ids),
             "max_abs_dlogits": float((logits - reference_logits).abs().max()),
+            "max_abs_dlogits_stepwise": float((steps - reference_steps).abs().max()),
             "greedy_prefix_agreement": [a for a, _ in agree],
             "greedy_tokens_equal": sum(b for _, b in agree),
             "greedy_tokens": len(PROMPTS) * args.new_tokens,
@@ -133,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens"
     )
     print(
-        f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'greedy equal':>13}  tokens before 1st difference"
+        f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'(token by token)':>17} {'greedy equal':>13}  tokens before 1st difference"
     )
     for name, row in rows.items():
         print(
             f"{name:8} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
+            f"{row['max_abs_dlogits_stepwise']:17.4g} "
             f"{row['greedy_tokens_equal']:>5}/{row['greedy_tokens']:<7}  {row['greedy_prefix_agreement']}"
         )
     if llama is not None:
         equal = sum(b for _, b in agree)
         print(
-            f"{'llama.cpp':8} {llama_ppl:11.4f} {'-':>15} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
+            f"{'llama.cpp':8} {llama_ppl:11.4f} {'-':>15} {'-':>17} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
             f"{[a for a, _ in agree]}  (llama-cpp-python, the same file and token ids)"
         )
     if args.json:
