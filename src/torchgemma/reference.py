@@ -469,7 +469,8 @@ def _text_name(name: str) -> str | None:
 def _float64(tensor: Any) -> Array:
     import torch  # only to read weights: the formulas above are NumPy
 
-    return tensor.detach().to(device="cpu", dtype=torch.float64).numpy()
+    # A copy: a float64 tensor may be a view of a mapped file that closes after reading.
+    return tensor.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
 
 
 def _reader(weights: dict[str, Array]) -> Callable[[str], Array]:

@@ -108,9 +108,16 @@ class QuantizedWeight(nn.Module):
         return values.view(*index.shape, -1)
 
     def set_weight(self, weight: torch.Tensor) -> None:
-        """Fill the buffers by round-to-nearest quantization of a float (N, K) weight."""
-        qweight, scales, mins = quantize_rtn(weight, self.format)
-        self.set_quantized(qweight, scales, mins)
+        """Fill the buffers by round-to-nearest quantization of a float (N, K) weight, in place (no
+        second copy of the quantized weight while it is made)."""
+        if weight.dim() != 2 or (weight.shape[0], weight.shape[1]) != (
+            self.qweight.shape[0],
+            self.weight_shape[-1],
+        ):
+            raise ValueError(
+                f"a weight of shape {list(weight.shape)} for a quantized {list(self.weight_shape)}"
+            )
+        quantize_rtn(weight, self.format, out=(self.qweight, self.scales, self.mins))
 
     def set_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
         """Adopt already-quantized buffers (e.g. a GGUF file's blocks, converted)."""
@@ -204,20 +211,36 @@ class QuantizedStack(QuantizedWeight):
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────
 
 
-def quantize_rtn(weight: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_rtn(
+    weight: torch.Tensor,
+    fmt: Format,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(N, K) float -> (qweight, scales, mins) by round-to-nearest per group.
 
     8 bits without mins: symmetric, scale = max|w| / 127. With mins (either width): the group's
     [min, max] mapped onto [0, 2^bits - 1], scale = (max - min) / (2^bits - 1), min = the group's min.
-    Computed in float32 on the weight's device, a few rows at a time (bounded memory).
+    Computed in float32 a few rows at a time into ``out`` (allocated if not given): memory beyond
+    the result stays bounded whatever the weight's size.
     """
     n, k = weight.shape
     fmt.check(k)
     g = fmt.group_size
     levels = (1 << fmt.bits) - 1
-    qs, ss, ms = [], [], []
+    if fmt.bits == 4 and not fmt.has_mins:
+        raise ValueError("4-bit weights are stored with mins (has_mins=True)")
+    if out is None:
+        qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
+        device = weight.device
+        out = (
+            torch.empty(n, k if fmt.bits == 8 else k // 2, dtype=qdtype, device=device),
+            torch.empty(n, k // g, dtype=torch.float32, device=device),
+            torch.empty(n, k // g, dtype=torch.float32, device=device) if fmt.has_mins else None,
+        )
+    qweight, scales, mins = out
     for start in range(0, n, 4096):
-        w = weight[start : start + 4096].to(torch.float32).view(-1, k // g, g)
+        rows = slice(start, start + 4096)
+        w = weight[rows].to(device=scales.device, dtype=torch.float32).view(-1, k // g, g)
         if fmt.has_mins:
             lo, hi = w.amin(-1), w.amax(-1)
             scale = (hi - lo) / levels
@@ -226,14 +249,11 @@ def quantize_rtn(weight: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch
             if fmt.bits == 8:
                 q = q - 128  # int8 storage: offset folded into the mins
                 lo = lo + 128 * scale
-            ms.append(lo)
+            mins[rows] = lo
         else:
-            if fmt.bits == 4:
-                raise ValueError("4-bit weights are stored with mins (has_mins=True)")
             scale = w.abs().amax(-1) / 127
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round(w / safe[..., None]).clamp_(-127, 127)
-        qs.append(kernels.pack(q.view(-1, k), fmt.bits))
-        ss.append(scale)
-    scales = torch.cat(ss).contiguous()
-    return torch.cat(qs), scales, torch.cat(ms).contiguous() if fmt.has_mins else None
+        qweight[rows] = kernels.pack(q.view(-1, k), fmt.bits)
+        scales[rows] = scale
+    return qweight, scales, mins

@@ -421,6 +421,7 @@ def fill(
                     module.set_quantized(tensor.qweight, tensor.scales, tensor.mins)
             progress(key)
             del tensor
+            _release(load)
             continue
         same = (tensor.dtype, tensor.device, tensor.shape) == (target.dtype, target.device, target.shape)
         with torch.no_grad():
@@ -430,3 +431,11 @@ def fill(
                 target.copy_(tensor)
         progress(key)
         del tensor
+        _release(load)
+
+
+def _release(load) -> None:
+    """Drop a mapped tensor's pages once copied (``read_safetensors``' loads can)."""
+    release = getattr(load, "release", None)
+    if release is not None:
+        release()

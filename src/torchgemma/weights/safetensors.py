@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .source import CheckpointError
 
@@ -76,11 +77,12 @@ def _weight_map(index: Path) -> dict[str, str]:
 MAX_HEADER_BYTES = 100_000_000
 
 
-def check_header(path: Path) -> None:
+def check_header(path: Path) -> tuple[dict, int]:
     """Check a safetensors file's header against the file itself, naming the file and the tensor.
 
     The format: an 8-byte little-endian header length, a JSON object ``{name: {"dtype", "shape",
-    "data_offsets": [begin, end]}}``, then the data, offsets counted from its start.
+    "data_offsets": [begin, end]}}``, then the data, offsets counted from its start. Returns the
+    header and the byte where the data starts.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -127,36 +129,82 @@ def check_header(path: Path) -> None:
                 f"{path}: tensor {name}: {info['dtype']} {shape} needs {math.prod(shape) * itemsize:,} bytes "
                 f"but data_offsets {offsets} span {offsets[1] - offsets[0]:,}"
             )
+    return header, 8 + length
 
 
 def read_safetensors(files: list[Path], stack: ExitStack) -> TensorSource:
-    """Yield (name, load, shape, dtype) for every tensor, memory-mapped, loading on demand."""
+    """Yield (name, load, shape, dtype) for every tensor, memory-mapped, loading on demand.
+
+    ``load()`` returns a read-only view of the mapped file (copy it before the stack closes), and
+    ``load.release()`` drops its pages from the process once it has been copied: loading then holds
+    one tensor's pages at a time, not the whole file's, so quantizing while loading peaks near the
+    quantized size.
+    """
     for path in files:
-        check_header(path)
+        header, start = check_header(path)
         try:
-            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            keys = list(handle.keys())
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(
-                f"cannot read {path}: {err} (is the file truncated or not safetensors?)"
-            ) from err
-        for key in keys:
-            view = handle.get_slice(key)
-            yield key, _loader(handle, key, path), tuple(view.get_shape()), view.get_dtype()
+            with open(path, "rb") as file:  # the mapping outlives the file descriptor
+                mapped = stack.enter_context(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot map {path}: {err}") from err
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = TORCH_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointError(
+                    f"{path}: tensor {key} has dtype {info['dtype']}, which torch cannot hold"
+                )
+            begin, end = (start + offset for offset in info["data_offsets"])
+            yield (
+                key,
+                _MappedTensor(mapped, begin, end, dtype, tuple(info["shape"])),
+                tuple(info["shape"]),
+                info["dtype"],
+            )
 
 
-def _loader(handle, key: str, path: Path) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
-        try:
-            return handle.get_tensor(key)
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise CheckpointError(f"cannot read tensor {key} from {path}: {err}") from err
+class _MappedTensor:
+    """One tensor of a mapped safetensors file: called, a view of its bytes; released, its pages dropped."""
 
-    return load
+    def __init__(self, mapped: mmap.mmap, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.mapped, self.begin, self.end, self.dtype, self.shape = mapped, begin, end, dtype, shape
+
+    def __call__(self) -> torch.Tensor:
+        if self.end == self.begin:
+            return torch.empty(self.shape, dtype=self.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mapping is read-only: the view is never written to
+            flat = torch.frombuffer(
+                self.mapped, dtype=self.dtype, count=math.prod(self.shape), offset=self.begin
+            )
+        return flat.view(self.shape)
+
+    def release(self) -> None:
+        if not hasattr(mmap, "MADV_DONTNEED") or self.end == self.begin:
+            return
+        first = self.begin - self.begin % mmap.PAGESIZE
+        self.mapped.madvise(mmap.MADV_DONTNEED, first, self.end - first)
 
 
 # Safetensors dtype names of the float dtypes a model can be built in.
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Every safetensors dtype name torch holds.
+TORCH_DTYPES = {
+    **FLOAT_DTYPES,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 ITEMSIZE = {
