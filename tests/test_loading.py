@@ -457,3 +457,32 @@ def test_bar_only_on_a_terminal(text_checkpoints, monkeypatch, capfd):
         shown += chunk
     os.close(leader)
     assert f"loading {text_checkpoints['31b'].name}".encode() in shown
+
+
+def test_mapped_tensors_read_whatever_their_alignment(tmp_path):
+    """read_safetensors maps the file itself: an aligned tensor is a view of the mapping, one at an
+    offset its dtype does not divide (writers align; this one does not) an aligned copy; release()
+    drops the pages and a later read faults them back in."""
+    import json
+    import struct
+    from contextlib import ExitStack
+
+    from torchgemma.weights.safetensors import read_safetensors
+
+    values = torch.arange(6, dtype=torch.float32)
+    header = {
+        "pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "odd": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]},
+        "even": {"dtype": "F32", "shape": [6], "data_offsets": [28, 52]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data = b"\x07" + values.numpy().tobytes() + b"\x00" * 3 + values.numpy().tobytes()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data)
+    with ExitStack() as stack:
+        loads = {name: load for name, load, _, _ in read_safetensors([tmp_path / "model.safetensors"], stack)}
+        odd, even = loads["odd"](), loads["even"]()
+        assert torch.equal(odd, values.view(2, 3)) and odd.data_ptr() % 4 == 0
+        assert torch.equal(even, values) and torch.equal(loads["pad"](), torch.tensor([7], dtype=torch.uint8))
+        loads["even"].release()
+        assert torch.equal(loads["even"](), values)

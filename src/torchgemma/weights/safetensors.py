@@ -173,8 +173,14 @@ class _MappedTensor:
     def __call__(self) -> torch.Tensor:
         if self.end == self.begin:
             return torch.empty(self.shape, dtype=self.dtype)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the mapping is read-only: the view is never written to
+            if self.begin % itemsize:  # writers align tensors; a file that does not gets an aligned copy
+                raw = torch.frombuffer(
+                    self.mapped, dtype=torch.uint8, count=self.end - self.begin, offset=self.begin
+                )
+                return raw.clone().view(self.dtype).view(self.shape)
             flat = torch.frombuffer(
                 self.mapped, dtype=self.dtype, count=math.prod(self.shape), offset=self.begin
             )
