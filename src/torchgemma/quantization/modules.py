@@ -175,15 +175,15 @@ class QuantizedStack(QuantizedWeight):
         self, experts: int, rows: int, features: int, fmt: Format, dtype: torch.dtype = torch.float32
     ):
         super().__init__(experts * rows, features, fmt, dtype)
-        self.experts, self.rows = experts, rows
+        self.experts, self.expert_rows = experts, rows
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:
-        return (self.experts, self.rows, super().weight_shape[1])
+        return (self.experts, self.expert_rows, super().weight_shape[1])
 
     def _part(self, name: str, expert: int) -> torch.Tensor | None:
-        buffer = getattr(self, name)
-        return None if buffer is None else buffer[expert * self.rows : (expert + 1) * self.rows]
+        buffer, n = getattr(self, name), self.expert_rows
+        return None if buffer is None else buffer[expert * n : (expert + 1) * n]
 
     def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         f = self.format
@@ -192,13 +192,9 @@ class QuantizedStack(QuantizedWeight):
 
     def __getitem__(self, experts: torch.Tensor) -> torch.Tensor:
         """Experts ``experts`` (any shape) dequantized: (*experts.shape, N, K) in the model's dtype."""
-        rows = (experts.reshape(-1, 1) * self.rows + torch.arange(self.rows, device=experts.device)).reshape(
-            -1
-        )
-        return self.rows_of(rows).view(*experts.shape, self.rows, -1).to(self.compute_dtype)
-
-    def rows_of(self, index: torch.Tensor) -> torch.Tensor:
-        return QuantizedWeight.rows(self, index)
+        n = self.expert_rows
+        rows = (experts.reshape(-1, 1) * n + torch.arange(n, device=experts.device)).reshape(-1)
+        return self.rows(rows).view(*experts.shape, n, -1).to(self.compute_dtype)
 
     def set_weight(self, weight: torch.Tensor) -> None:
         super().set_weight(weight.reshape(-1, weight.shape[-1]))

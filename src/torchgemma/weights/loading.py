@@ -204,7 +204,7 @@ def _build(
     ``torchgemma.quantization`` applied while filling (``gguf``: the checkpoint, for mode "gguf")."""
     with torch.device("meta"):
         model = Gemma(config, attention).to(dtype=dtype)
-    items = targets_of(model)
+    items = dict(quantizable(model))
     if config.quantization is not None:  # saved quantized: the checkpoint holds qweight/scales/mins
         for name, spec in config.quantization["layers"].items():
             if name not in items:
@@ -216,7 +216,7 @@ def _build(
     plan = match_tensors(model, config, tensors)
     quantization = config.quantization
     if quantize is not None:
-        plan, chosen, kept = _quantize_plan(model, plan, quantize, gguf)
+        plan, chosen, kept = _quantize_plan(items, plan, quantize, gguf)
         for name, fmt in chosen.items():
             with torch.device("meta"):
                 shell = quantized_shell(items[name], fmt, dtype)
@@ -237,20 +237,14 @@ def _build(
     return model.eval()
 
 
-def targets_of(model: nn.Module) -> dict:
-    """The model's quantizable weights by name (``quantization.quantizable``)."""
-    return dict(quantizable(model))
-
-
-def _quantize_plan(model: nn.Module, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict, dict]:
-    """Which modules ``mode`` quantizes, in which format, and the plan with their loads.
+def _quantize_plan(items: dict, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict, dict]:
+    """Which of the quantizable ``items`` ``mode`` quantizes, in which format, and the plan with their loads.
 
     "int8"/"int4": every quantizable module, its float weight quantized when it is read. "gguf": the
     modules whose tensor the file stores as grouped integers, read as such (others stay float).
     """
-    targets = dict(quantizable(model))
     keys = {name.removesuffix(".weight"): key for name, key, _ in plan}
-    modules = [(name, item) for name, item in targets.items() if name in keys]
+    modules = [(name, item) for name, item in items.items() if name in keys]
     if mode == "gguf":
         spec = {name: gguf.int_format(keys[name]) for name, _ in modules}
         chosen, kept = choose_formats(modules, lambda name, features: spec[name] and Format(*spec[name]))
@@ -411,21 +405,24 @@ def fill(
     for name, key, load in plan:
         tensor = load()
         target = targets.get(name)
-        if target is None:  # the weight of a module (or expert stack) quantized while loading
-            module = model.get_submodule(name.removesuffix(".weight"))
-            assert isinstance(module, QuantizedWeight), name
-            with torch.no_grad():
+        with torch.no_grad():
+            if target is None:  # the weight of a module (or expert stack) quantized while loading
+                module = model.get_submodule(name.removesuffix(".weight"))
+                assert isinstance(module, QuantizedWeight), name
                 if isinstance(tensor, torch.Tensor):
                     module.set_weight(tensor)
                 else:  # a GGUF tensor's own blocks
                     module.set_quantized(tensor.qweight, tensor.scales, tensor.mins)
-            progress(key)
-            del tensor
-            _release(load)
-            continue
-        same = (tensor.dtype, tensor.device, tensor.shape) == (target.dtype, target.device, target.shape)
-        with torch.no_grad():
-            if adopt and same and tensor.is_contiguous():
+            elif (
+                adopt
+                and tensor.is_contiguous()
+                and (tensor.dtype, tensor.device, tensor.shape)
+                == (
+                    target.dtype,
+                    target.device,
+                    target.shape,
+                )
+            ):
                 target.data = tensor
             else:
                 target.copy_(tensor)
