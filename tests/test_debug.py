@@ -1,4 +1,5 @@
-"""`torchgemma debug trace`: per-module statistics, stopping at the module that first overflows."""
+"""`torchgemma debug trace`: per-module statistics, stopping at the module that first overflows;
+`torchgemma debug compare`: two configurations on one input, module by module."""
 
 from __future__ import annotations
 
@@ -6,12 +7,22 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import torchgemma
 from test_llm import llm_checkpoint  # noqa: F401  (the fixture: a tiny E2B-like checkpoint with a tokenizer)
-from torchgemma.debug import format_trace, trace
+from torchgemma.debug import (
+    Side,
+    capture_torchgemma,
+    compare,
+    compare_captures,
+    format_compare,
+    format_trace,
+    plot_compare,
+    trace,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,3 +78,99 @@ def test_why_float16_fails_on_the_real_270m():
     first = trace(model, ids).first_nonfinite
     assert first is not None and first.inputs_finite
     assert first.input_max_abs > 32768  # the same order as float16's limit before it overflows
+
+
+# ── compare ─────────────────────────────────────────────────────────────────────────────────────
+
+LONGER = torch.tensor([[2, 17, 35, 99, 7, 64, 12, 5, 250, 31, 8, 140]])  # longer than the window
+
+
+@pytest.mark.parametrize("style", ["e2b", "26b"])
+def test_compare_with_transformers_lines_up_every_sublayer(text_checkpoints, style):
+    """Our eager model against transformers': the same module names on both sides, every sublayer
+    of every layer compared, bf16 to the bit and fp32 to rounding."""
+    folder = text_checkpoints[style]
+    bf16 = compare(folder, LONGER, "torchgemma:bf16", "transformers:bf16:eager")
+    layers = torchgemma.ModelConfig.from_file(folder).text.num_hidden_layers
+    expected = {"attention", "mlp", "residual"} | ({"experts"} if style == "26b" else {"ple"})
+    for index in range(layers):
+        assert {m.sublayer for m in bf16.modules if m.layer == index} >= expected, index
+    assert all(m.max_abs == 0 for m in bf16.modules), [m.name for m in bf16.modules if m.max_abs]
+    assert bf16.logits.max_abs == 0 and bf16.logits.top1_agree == bf16.logits.positions == 12
+    assert bf16.first_past is None and not bf16.skipped
+    fp32 = compare(folder, LONGER, "torchgemma:fp32", "transformers:fp32:eager")
+    assert fp32.logits.max_abs < 1e-4 and max(m.max_rel for m in fp32.modules) < 1e-5
+
+
+def test_compare_against_the_float64_reference(text_checkpoints):
+    report = compare(text_checkpoints["31b"], LONGER, "torchgemma:fp32", "reference", threshold=1e-4)
+    assert report.b == "reference:fp64" and report.first_past is None
+    assert report.logits.max_abs < 6e-5 and report.logits.kl_mean < 1e-9
+    bf16 = compare(text_checkpoints["31b"], LONGER, "torchgemma:bf16", "reference", threshold=1e-4)
+    # bf16 keeps 8 bits: its first block is already past 1e-4 of the values' size.
+    assert bf16.first_past is not None and bf16.first_past.layer == 0
+    assert bf16.logits.max_abs > 100 * report.logits.max_abs
+    table = format_compare(bf16)
+    assert "first module past 0.0001 relative: model.language_model.layers.0." in table
+    assert "top-1 agree" in table and "residual rel" in table
+
+
+def test_compare_names_the_module_that_went_wrong(gen_checkpoints):
+    """A fault planted in one layer's MLP: the first module past the threshold is that projection."""
+    model = torchgemma.load(gen_checkpoints["e4b"], attention="eager")
+    clean = capture_torchgemma(model, LONGER, "clean")
+    with torch.no_grad():
+        model.language_model.layers[3].mlp.down_proj.weight.mul_(1.01)
+    faulty = capture_torchgemma(model, LONGER, "faulty")
+    report = compare_captures(faulty, clean, threshold=1e-3)
+    assert report.first_past.name == "model.language_model.layers.3.mlp.down_proj"
+    by_name = {m.name: m for m in report.modules}
+    assert by_name["model.language_model.layers.2"].max_abs == 0
+    assert by_name["model.language_model.layers.3.mlp"].max_rel == pytest.approx(0.01, rel=1e-3)
+    assert report.logits.max_abs > 0
+
+
+def test_sides_are_parsed_and_bad_ones_named():
+    side = Side.parse("torchgemma:sdpa:int8:bf16")
+    assert (side.implementation, side.dtype, side.attention, side.quantize) == (
+        "torchgemma",
+        torch.bfloat16,
+        "sdpa",
+        "int8",
+    )
+    assert side.label == "torchgemma:bf16:sdpa:int8" and Side.parse("reference").label == "reference:fp64"
+    for bad, words in [
+        ("vllm:bf16", "implementation must be one of"),
+        ("torchgemma:fp8", "unknown option 'fp8'"),
+        ("reference:fp32", "takes no options"),
+        ("transformers:int4", "quantization is torchgemma's"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            Side.parse(bad)
+
+
+def test_the_plot_and_its_missing_extra(text_checkpoints, tmp_path, monkeypatch):
+    report = compare(text_checkpoints["e2b"], LONGER, "torchgemma:bf16", "reference")
+    plot_compare(report, tmp_path / "errors.png")
+    assert (tmp_path / "errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"torchgemma\[plot\]"):
+        plot_compare(report, tmp_path / "again.png")
+
+
+def test_the_compare_command(llm_checkpoint, tmp_path):  # noqa: F811
+    command = [sys.executable, "-m", "torchgemma.cli", "debug", "compare", "--model", str(llm_checkpoint)]
+    options = ["--a", "torchgemma:fp32", "--b", "transformers:fp32", "--plot", str(tmp_path / "e.png")]
+    done = subprocess.run(
+        [*command, *options, "--json", "Hello there"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["a"] == "torchgemma:fp32:eager" and out["b"] == "transformers:fp32:eager"
+    assert out["logits"]["max_abs"] < 1e-4 and out["modules"] and out["first_past"] is None
+    assert np.isfinite([m["max_abs"] for m in out["modules"]]).all()
+    assert (tmp_path / "e.png").stat().st_size > 1000
+    bad = subprocess.run(
+        [*command, "--a", "torchgemma:fp8", "Hi"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "unknown option 'fp8'" in bad.stderr

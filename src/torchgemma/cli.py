@@ -814,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve, parser=serve, quiet=False, verbose=False)
     debug = commands.add_parser(
         "debug",
-        help="numerics debugging (trace: where a run first goes non-finite)",
+        help="numerics debugging (trace: where a run first goes non-finite; compare: two configurations module by module)",
         description="Numerics debugging tools.",
     )
     tools = debug.add_subparsers(dest="tool", required=True)
@@ -836,6 +836,32 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--all", action="store_true", help="record every module; do not stop at the failure")
     trace.add_argument("--json", action="store_true", help="print every record as JSON")
     trace.set_defaults(func=cmd_debug_trace, parser=trace, command="debug trace")
+    compare = tools.add_parser(
+        "compare",
+        help="two configurations on the same input, module by module",
+        description="Run the prompt through two configurations with a hook on the same module names and "
+        "report, for every decoder layer, the max error of each sublayer's output (attention, MLP, experts, "
+        "per-layer input, residual) against the second (the baseline), the first module past --threshold, "
+        "and the logits' max error, KL divergence and top-1 agreement. A configuration is "
+        "IMPL[:OPTION...]: torchgemma, transformers or reference (the float64 NumPy decoder), with a "
+        "dtype (fp32, bf16, fp16, fp64), an attention (eager, sdpa) and, for torchgemma, a quantization "
+        "(int8, int4, gguf); e.g. torchgemma:bf16:sdpa, transformers:fp32:eager, reference.",
+    )
+    compare.add_argument("prompt", help="the text of the forward pass (raw, no chat template)")
+    compare.add_argument("--model", required=True, help="what generate's --model takes")
+    compare.add_argument(
+        "--a", default="torchgemma:bf16", help="the configuration measured (default: torchgemma:bf16)"
+    )
+    compare.add_argument("--b", default="reference", help="the baseline (default: reference)")
+    compare.add_argument(
+        "--threshold", type=float, default=1e-2, help="relative error that marks a module (default: 0.01)"
+    )
+    compare.add_argument("--all", action="store_true", help="one row per module instead of per layer")
+    compare.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    compare.add_argument(
+        "--plot", metavar="FILE.png", help="write error by layer, log scale (needs matplotlib)"
+    )
+    compare.set_defaults(func=cmd_debug_compare, parser=compare, command="debug compare")
     return parser
 
 
@@ -867,6 +893,24 @@ def cmd_debug_trace(args: argparse.Namespace) -> int:
         print(json.dumps({"first_nonfinite": first, "records": rows}))
     else:
         print(format_trace(report, last=args.last))
+    return 0
+
+
+def cmd_debug_compare(args: argparse.Namespace) -> int:
+    from .debug import Side, compare, format_compare, plot_compare
+    from .tokenizer import load_tokenizer
+
+    sides = [Side.parse(text) for text in (args.a, args.b)]  # bad specs fail before any loading
+    if args.plot and not _importable("matplotlib"):
+        raise CLIError("--plot needs matplotlib: pip install 'torchgemma[plot]'")
+    ids = torch.tensor([load_tokenizer(args.model).encode(args.prompt)])
+    report = compare(args.model, ids, *sides, threshold=args.threshold)
+    if args.plot:
+        plot_compare(report, args.plot)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(format_compare(report, every_module=args.all))
     return 0
 
 
