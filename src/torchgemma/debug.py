@@ -388,7 +388,7 @@ def compare_captures(a: Capture, b: Capture, *, threshold: float = 1e-2) -> Comp
         modules.append(ModuleError(name, layer, sublayer, tuple(base.shape), diff, rel))
     first = next((m for m in modules if m.max_rel > threshold), None)
     return CompareReport(
-        a.label, b.label, threshold, modules, _logit_error(a.logits, b.logits), first, skipped
+        a.label, b.label, threshold, modules, logit_error(a.logits, b.logits), first, skipped
     )
 
 
@@ -483,7 +483,7 @@ def _place(name: str) -> tuple[int | None, str | None]:
     return int(index), sublayer
 
 
-def _logit_error(a: np.ndarray, b: np.ndarray) -> LogitError:
+def logit_error(a: np.ndarray, b: np.ndarray) -> LogitError:
     if a.shape != b.shape:
         raise ValueError(f"the two runs' logits differ in shape: {a.shape} vs {b.shape}")
     log_a, log_b = _log_softmax(a), _log_softmax(b)
