@@ -3,6 +3,7 @@
 from .acceleration import compile
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
+from .embedding import embed
 from .generation import Engine, generate, stream
 from .llm import LLM
 from .model import Gemma
@@ -27,6 +28,7 @@ __all__ = [
     "TextConfig",
     "Tokenizer",
     "compile",
+    "embed",
     "generate",
     "load",
     "load_tokenizer",

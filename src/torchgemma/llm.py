@@ -20,6 +20,7 @@ top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from .embedding import SentenceHead, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
 from .processing import MediaTokens, collect_media, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
@@ -126,6 +128,7 @@ class LLM:
         if quantize == "auto":
             quantize = auto_quantization(source)
         folder = resolve_source(source)
+        self.folder = folder
         self.model = load(
             folder, dtype=dtype, device=device, attention=attention, progress=progress, quantize=quantize
         )
@@ -349,6 +352,44 @@ class LLM:
                 break
             yield from reply.push(token)
         yield from reply.flush()
+
+    # ---- sentence embeddings --------------------------------------------------------------------
+
+    @functools.cached_property
+    def sentence_head(self) -> SentenceHead:
+        """The checkpoint's sentence-transformers modules after the decoder (pooling, dense layers,
+        normalisation) and its task prompts, read on first use (see ``torchgemma.embedding``)."""
+        head = SentenceHead.from_folder(self.folder, self.model.config.text)
+        return head.to(device=self.model.device, dtype=self.model.dtype)
+
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        truncate_dim: int | None = None,
+    ) -> torch.Tensor:
+        """Sentence vectors (N, D) of ``texts`` (one text: (D,)), as sentence-transformers'
+        ``SentenceTransformer(folder).encode(texts, ...)`` computes them, for a sentence-transformers
+        checkpoint such as EmbeddingGemma.
+
+        ``prompt_name`` picks a task prompt of the checkpoint's ``config_sentence_transformers.json``
+        (EmbeddingGemma: ``"query"``, ``"document"``, ...), written before each text; ``prompt`` is a
+        literal one; with neither, the checkpoint's default prompt (if any). ``truncate_dim`` keeps
+        the first dimensions (Matryoshka), not re-normalized.
+        """
+        return embed_texts(
+            self.model,
+            self.tokenizer,
+            self.sentence_head,
+            texts,
+            prompt_name=prompt_name,
+            prompt=prompt,
+            batch_size=batch_size,
+            truncate_dim=truncate_dim,
+        )
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -504,6 +504,7 @@ class TextModel(nn.Module):
         slots: list[int] | None = None,
         inputs_embeds: torch.Tensor | None = None,
         vision_blocks: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T', vocab), T' = keep_last or T.
 
@@ -512,6 +513,8 @@ class TextModel(nn.Module):
         passes the embeddings with soft tokens scattered in); ``input_ids`` then only pick the
         per-layer embedding rows. ``vision_blocks`` (B, T): image-block ids (-1 = none) of this
         call's tokens; sliding layers let the tokens of one block attend to each other both ways.
+        ``head=False`` returns the final-normed hidden states (B, T', H) instead of logits: what
+        transformers' text models return as ``last_hidden_state`` (sentence embeddings pool them).
         """
         batch, length = input_ids.shape
         valid = None
@@ -537,7 +540,7 @@ class TextModel(nn.Module):
                 raise ValueError(f"{len(slots)} slots given for {batch} rows")
             step = cache.step(slots, length, valid)
         layout = self.layout(input_ids, valid, cache, step, vision_blocks)
-        logits = self.run(input_ids, layout, cache, step, keep_last, inputs_embeds)
+        logits = self.run(input_ids, layout, cache, step, keep_last, inputs_embeds, head)
         if cache is not None:
             cache.commit(step)
         return logits
@@ -562,8 +565,9 @@ class TextModel(nn.Module):
         step: CacheStep | None,
         keep_last: int = 0,
         inputs_embeds: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
-        """The stack on a laid-out call: embeddings, layers, head."""
+        """The stack on a laid-out call: embeddings, layers, head (or only the final norm)."""
         cfg = self.config
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.has_per_layer_inputs else None
@@ -586,7 +590,8 @@ class TextModel(nn.Module):
                 None if cache is None else cache.layers[spec.index],
                 step,
             )
-        return self.head(x if keep_last <= 0 else x[:, -keep_last:])
+        x = x if keep_last <= 0 else x[:, -keep_last:]
+        return self.head(x) if head else self.norm(x)
 
     # ── layout: positions, RoPE, masks ───────────────────────────────────────────────────────
 

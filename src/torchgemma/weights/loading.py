@@ -320,6 +320,9 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = "language_model." + name[len("model.") :]
     elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
         name = name[len("model.") :]
+    elif config.model_type in ("gemma4_text", "gemma3_text") and name != "lm_head.weight":
+        # *TextModel (no model. prefix, no head): EmbeddingGemma, as sentence-transformers saves it
+        name = "language_model." + name
     if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
         return None  # Gemma 3: only the text model is built
     if name == "lm_head.weight":
