@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from .config import TextConfig
 from .tokenizer import Tokenizer
+from .weights.safetensors import read_safetensors
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -202,18 +203,19 @@ class Dense(nn.Module):
                 )
             raise FileNotFoundError(f"{path} is missing")
         expected = self.state_dict()
-        with safe_open(path, framework="pt") as tensors:
-            names = set(tensors.keys())
+        with ExitStack() as stack:
+            tensors = {name: (load, shape) for name, load, shape, _ in read_safetensors([path], stack)}
+            names = set(tensors)
             for name, target in expected.items():
                 if name not in names:
                     raise ValueError(f"{path} has no tensor {name!r} (config.json's shape needs it)")
-                tensor = tensors.get_tensor(name)
-                if tensor.shape != target.shape:
+                load, shape = tensors[name]
+                if tuple(shape) != tuple(target.shape):
                     raise ValueError(
-                        f"{path}: {name} has shape {list(tensor.shape)}, config.json says {list(target.shape)}"
+                        f"{path}: {name} has shape {list(shape)}, config.json says {list(target.shape)}"
                     )
                 with torch.no_grad():
-                    target.copy_(tensor)
+                    target.copy_(load())
         extra = sorted(names - set(expected))
         if extra:
             raise ValueError(f"{path} has unexpected tensors: {', '.join(extra)}")
