@@ -6,7 +6,7 @@ from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
 from .generation import Engine, generate, stream
 from .llm import LLM
 from .model import Gemma
-from .processing import process_audio, process_images
+from .processing import Video, process_audio, process_images, process_videos
 from .quantization import quantize
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights.loading import load
@@ -26,12 +26,14 @@ __all__ = [
     "ModelConfig",
     "TextConfig",
     "Tokenizer",
+    "Video",
     "compile",
     "generate",
     "load",
     "load_tokenizer",
     "process_audio",
     "process_images",
+    "process_videos",
     "quantize",
     "save",
     "stream",

@@ -1,4 +1,4 @@
-"""Image and audio preprocessing for Gemma 4, as pure functions matching transformers 5.23."""
+"""Image, audio and video preprocessing for Gemma 4, as pure functions matching transformers 5.23."""
 
 from .audio import num_audio_tokens, process_audio
 from .image import ImageResizeTarget, image_resize_target, process_images
@@ -9,16 +9,20 @@ from .prompt import (
     expand_placeholders,
     prepare_media_prompts,
 )
+from .video import Video, load_video, process_videos
 
 __all__ = [
     "ImageResizeTarget",
     "MediaTokens",
+    "Video",
     "audio_soft_token_counts",
     "collect_media",
     "expand_placeholders",
     "image_resize_target",
+    "load_video",
     "num_audio_tokens",
     "prepare_media_prompts",
     "process_audio",
     "process_images",
+    "process_videos",
 ]
