@@ -243,3 +243,64 @@ def test_file_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "av", None)
     with pytest.raises(ImportError, match=r'pip install "torchgemma\[video\]"'):
         process_videos([broken])
+
+
+# --- Prompt: timestamps are text ---------------------------------------------------------------------
+
+
+def merging_tokenizer():
+    """A Gemma-style tokenizer (spaces as "▁", no pre-tokenizer) whose merges cross the edge between
+    a text and a timestamp after it: "e" + "0" and "▁" + "0" are tokens."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    from torchgemma import Tokenizer
+
+    pieces = ["<pad>", "<bos>", *"Scenxt:0123456789▁", "e0", "00", "00:", "▁0", "ne"]
+    merges = [("e", "0"), ("▁", "0"), ("0", "0"), ("00", ":"), ("n", "e")]
+    backend = Backend(models.BPE({p: i for i, p in enumerate(pieces)}, merges, fuse_unk=False))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+    specials = ["<|image>", "<image|>", "<|video|>", "<|image|>", "<|audio|>", "<|audio>", "<audio|>"]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ["<bos>", *specials]])
+    backend.add_tokens([AddedToken("\n", special=False, normalized=False)])
+    return Tokenizer(backend, bos_id=1, pad_id=0)
+
+
+def test_timestamps_are_tokenized_with_the_text_before_them():
+    """Ids equal to encoding the text as the processor expands it (``replace_video_token``)."""
+    import types
+
+    from transformers import Gemma4Processor
+    from transformers.video_utils import VideoMetadata
+
+    from torchgemma.processing import MediaTokens, VideoTokens, expand_placeholders
+
+    tokenizer = merging_tokenizer()
+    tokens = MediaTokens(
+        *(tokenizer.token_id(t) for t in ("<|image|>", "<|image>", "<image|>")),
+        *(tokenizer.token_id(t) for t in ("<|audio|>", "<|audio>", "<audio|>")),
+        video=tokenizer.token_id("<|video|>"),
+    )
+    names = types.SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>")
+    prompts = ["<bos>Scene<|video|>next", "<bos>Scene 0<|video|>\n<|video|> Scene", "<|video|>"]
+    videos = [([0, 1, 50], 24.0), ([0, 36], 12.0), ([3], 0.5), ([0, 7, 200], 2.0)]
+    counts = [2, 1, 3, 1]
+    expected, placeholders = [], iter(zip(videos, counts))
+    for prompt in prompts:
+        pieces = prompt.split("<|video|>")
+        text = pieces[0]
+        for piece in pieces[1:]:
+            (indices, fps), n = next(placeholders)
+            metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
+            inputs = {"num_soft_tokens_per_video": [n], "video_metadata": [metadata]}
+            text += Gemma4Processor.replace_video_token(names, inputs, 0) + piece
+        expected.append(tokenizer.encode(text, add_special_tokens=False))
+    rows = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+    video_tokens = [VideoTokens(n, [i / fps for i in indices]) for (indices, fps), n in zip(videos, counts)]
+    ours, types_ = expand_placeholders(rows, tokens, videos=video_tokens, tokenizer=tokenizer)
+    assert ours == expected
+    # Encoding the timestamp on its own would differ: the merges do cross the edge.
+    apart = tokenizer.encode("<bos>Scene", add_special_tokens=False) + tokenizer.encode("00:00 ")
+    assert ours[0][: len(apart)] != apart
+    assert [sum(t == 2 for t in row) for row in types_] == [2 * 3, 1 * 2 + 3 * 1, 1 * 3]

@@ -4,8 +4,10 @@ from .audio import num_audio_tokens, process_audio
 from .image import ImageResizeTarget, image_resize_target, process_images
 from .prompt import (
     MediaTokens,
+    VideoTokens,
     audio_soft_token_counts,
     collect_media,
+    collect_videos,
     expand_placeholders,
     prepare_media_prompts,
 )
@@ -15,8 +17,10 @@ __all__ = [
     "ImageResizeTarget",
     "MediaTokens",
     "Video",
+    "VideoTokens",
     "audio_soft_token_counts",
     "collect_media",
+    "collect_videos",
     "expand_placeholders",
     "image_resize_target",
     "load_video",

@@ -143,21 +143,10 @@ def load_video(path: str | Path, num_frames: int | None = DEFAULT_NUM_FRAMES) ->
     the frame count and rate are the stream's (``frames``, ``average_rate``), frames are decoded in
     order and converted to RGB by FFmpeg (``rgb24``). A stream that does not state its frame count is
     decoded once to count them; one without a rate gets 24 fps."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"video file not found: {str(path)!r}")
-    try:
-        import av
-    except ImportError as error:
-        raise ImportError(
-            f"decoding the video file {str(path)!r} needs PyAV: {VIDEO_EXTRA_HINT} "
-            "(or pass the frames: a list of PIL images or a (frames, H, W, 3) uint8 array)"
-        ) from error
+    path, av = _video_file(path)
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError("it has no video stream")
-            stream = container.streams.video[0]
+            stream = _video_stream(container)
             total = stream.frames or sum(1 for _ in container.decode(video=0))
             rate = stream.average_rate
             indices = sample_frame_indices(total, num_frames)
@@ -178,6 +167,39 @@ def load_video(path: str | Path, num_frames: int | None = DEFAULT_NUM_FRAMES) ->
         )
     fps = float(rate) if rate else DEFAULT_FPS
     return SampledVideo(_channels_first(np.stack(kept)), indices.tolist(), fps)
+
+
+def probe_video(path: str | Path) -> tuple[int, float | None]:
+    """A video file's frame count (0 when its header does not state it) and frame rate, from its
+    header only; raises what ``load_video`` would for a missing file, PyAV or stream."""
+    path, av = _video_file(path)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container)
+            return stream.frames, float(stream.average_rate) if stream.average_rate else None
+    except (av.FFmpegError, ValueError, OSError) as error:
+        raise ValueError(f"cannot read video file {str(path)!r}: {error}") from error
+
+
+def _video_file(path: str | Path) -> tuple[Path, Any]:
+    """The file's path, checked, and the ``av`` module (ImportError naming the extra without it)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"video file not found: {str(path)!r}")
+    try:
+        import av
+    except ImportError as error:
+        raise ImportError(
+            f"decoding the video file {str(path)!r} needs PyAV: {VIDEO_EXTRA_HINT} "
+            "(or pass the frames: a list of PIL images or a (frames, H, W, 3) uint8 array)"
+        ) from error
+    return path, av
+
+
+def _video_stream(container: Any) -> Any:
+    if not container.streams.video:
+        raise ValueError("it has no video stream")
+    return container.streams.video[0]
 
 
 # --- Any input -> (T, H, W, C) or (T, C, H, W) uint8 --------------------------------------------------
