@@ -10,7 +10,9 @@ where torchvision is missing, see video_reference.py); logits come from
 from __future__ import annotations
 
 import functools
+import io
 import json
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from test_llm import GEMMA4_GENERATION_CONFIG
 from test_multimodal_generation import image_processor, media_token_ids
 from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma import Video
+from torchgemma.cli import main
 from torchgemma.llm import LLM
 from video_reference import decode_with_pyav, moving_frames, reference_video_processor_class, write_video
 
@@ -296,3 +299,42 @@ def test_clear_errors(checkpoints, tmp_path):
     text_only = LLM(build_llm_checkpoint(tmp_path / "text-only"))
     with pytest.raises(ValueError, match="no vision tower.*cannot take videos"):
         text_only.generate("<|video|>", videos=[CLIP])
+
+
+# ── CLI ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def run(argv, capsys, monkeypatch, stdin=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_generate_and_chat_with_video(checkpoints, video_file, capsys, monkeypatch):
+    llm = load_llm(checkpoints["e2b"])
+    path = str(video_file)
+    flags = ["--model", str(checkpoints["e2b"]), "--temperature", "0", "--max-new-tokens", "6"]
+    code, out, err = run(["generate", *flags, "--video", path, "Describe:"], capsys, monkeypatch)
+    assert code == 0, err
+    assert out == llm.generate("Describe:<|video|>", videos=[path], temperature=0, max_new_tokens=6) + "\n"
+    code, out, err = run(["chat", *flags, "--video", path], capsys, monkeypatch, stdin="What is it?\n")
+    assert code == 0, err
+    reply = llm.chat(
+        user({"type": "video", "video": path}, text="What is it?"), temperature=0, max_new_tokens=6
+    )
+    assert out == reply.text + "\n"
+
+
+def test_cli_video_errors(checkpoints, capsys, monkeypatch, tmp_path):
+    argv = ["generate", "--model", str(checkpoints["31b"]), "--max-new-tokens", "2", "hi"]
+    code, _, err = run([*argv, "--video", str(tmp_path / "nope.mp4")], capsys, monkeypatch)
+    assert code == 2 and "video file not found" in err
+    (tmp_path / "broken.mp4").write_bytes(b"not a video")
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV missing: the error names the extra
+    code, _, err = run([*argv, "--video", str(tmp_path / "broken.mp4")], capsys, monkeypatch)
+    assert code == 2 and 'pip install "torchgemma[video]"' in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--video PATH" in capsys.readouterr().out
