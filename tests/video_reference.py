@@ -12,9 +12,10 @@ transformers with a stand-in for them, written after torchvision 0.28's own code
 * ``grayscale_to_rgb``: one channel repeated three times.
 
 Everything else — sampling, channel-layout guess, resize targets, rescale/normalise fusion, patches,
-positions, padding, the processor's prompt expansion — is transformers' code. With a real
-torchvision 0.28 (its wheel unpacked beside this torch, C++ operators left out) our preprocessing
-was also checked equal to the unmodified processor, bit for bit, on 129 videos.
+positions, padding, the processor's prompt expansion — is transformers' code. Where torchvision
+imports, the processor is transformers' as it ships: test_processing_video.py and
+test_video_generation.py also pass with torchvision 0.28's wheel unpacked beside this torch (its
+C++ operators' registrations left out, which these functions do not use).
 """
 
 from __future__ import annotations
