@@ -114,7 +114,7 @@ def expand_placeholders(
     if videos and tokenizer is None:
         raise ValueError("expanding video placeholders needs the tokenizer (for the timestamps)")
 
-    images, clips, clips_of_video = iter(image_soft_tokens), iter(audio_soft_tokens), iter(videos)
+    images, clips, each_video = iter(image_soft_tokens), iter(audio_soft_tokens), iter(videos)
     runs = {
         tokens.image: lambda: [tokens.image_start, *[tokens.image] * next(images), tokens.image_end],
         tokens.audio: lambda: [tokens.audio_start, *[tokens.audio] * next(clips), tokens.audio_end],
@@ -127,7 +127,7 @@ def expand_placeholders(
         ids: list[int] = []
         for token in row:
             if token == tokens.video:
-                ids = _with_video(ids, next(clips_of_video), tokens, tokenizer)
+                ids = _with_video(ids, next(each_video), tokens, tokenizer)
             else:
                 ids.extend(runs[token]() if token in runs else (token,))
         expanded.append(ids)

@@ -108,11 +108,10 @@ def process_videos(
     for video in videos:
         sampled = sample_video(video, num_frames)
         frame_pixels, frame_positions = _frames_to_patches(sampled.frames, max_soft_tokens)
-        count = int((frame_positions[0, :, 0] >= 0).sum()) // POOLING_KERNEL**2
         pixels.append(_pad(frame_pixels, max_patches, 0))
         positions.append(_pad(frame_positions, max_patches, -1))
         counts.append(len(sampled.indices))
-        soft_tokens.append(count)
+        soft_tokens.append(frame_pixels.shape[1] // POOLING_KERNEL**2)
         timestamps.append(sampled.timestamps)
     return {
         "pixel_values_videos": torch.cat(pixels),
