@@ -7,7 +7,7 @@ from .embedding import embed
 from .generation import Engine, generate, stream
 from .llm import LLM
 from .model import Gemma
-from .processing import process_audio, process_images
+from .processing import Video, process_audio, process_images, process_videos
 from .quantization import quantize
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights.loading import load
@@ -27,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "TextConfig",
     "Tokenizer",
+    "Video",
     "compile",
     "embed",
     "generate",
@@ -34,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "process_audio",
     "process_images",
+    "process_videos",
     "quantize",
     "save",
     "stream",

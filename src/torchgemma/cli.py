@@ -158,7 +158,7 @@ def _check_text(text: str, where: str) -> str:
 
 def _check_media_files(args: argparse.Namespace) -> None:
     """Before the model loads, so that a typo or a bad file fails at once: images are opened (header
-    only: format, size, the decompression-bomb check), audio is read."""
+    only: format, size, the decompression-bomb check), audio is read, videos' headers are read."""
     from PIL import Image
 
     for path in args.image:
@@ -179,6 +179,13 @@ def _check_media_files(args: argparse.Namespace) -> None:
                 raise CLIError(f"audio file not found: {path!r}")
             # Reads the header and one frame: its errors name the file (and a missing soundfile).
             load_audio(Path(path).expanduser(), max_frames=1)
+    if args.video:
+        from .processing.video import probe_video
+
+        for path in args.video:
+            if not Path(path).expanduser().is_file():
+                raise CLIError(f"video file not found: {path!r}")
+            probe_video(path)  # its errors name the file (and the video extra when PyAV is missing)
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -295,15 +302,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 
-IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER = "<|image|>", "<|audio|>"
+IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER = "<|image|>", "<|audio|>", "<|video|>"
 
 
-def with_placeholders(prompt: str, images: list[str], audio: list[str]) -> str:
+def with_placeholders(prompt: str, images: list[str], audio: list[str], videos: list[str] = ()) -> str:
     """The raw prompt with one placeholder per file appended, for a kind the prompt has none of."""
     if images and IMAGE_PLACEHOLDER not in prompt:
         prompt += IMAGE_PLACEHOLDER * len(images)
     if audio and AUDIO_PLACEHOLDER not in prompt:
         prompt += AUDIO_PLACEHOLDER * len(audio)
+    if videos and VIDEO_PLACEHOLDER not in prompt:
+        prompt += VIDEO_PLACEHOLDER * len(videos)
     return prompt
 
 
@@ -322,13 +331,14 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import GenerationStats
 
-    prompt = with_placeholders(_read_prompt(args), args.image, args.audio)
+    prompt = with_placeholders(_read_prompt(args), args.image, args.audio, args.video)
     _prepare(args)
     start = time.perf_counter()
     llm = _load_llm(args)
     load_seconds = time.perf_counter() - start
     stats = GenerationStats()
-    options = dict(images=args.image, audio=args.audio, max_new_tokens=args.max_new_tokens, stats=stats)
+    options = dict(images=args.image, audio=args.audio, videos=args.video)
+    options.update(max_new_tokens=args.max_new_tokens, stats=stats)
     options.update(_sampling(args, llm))
     if args.json:
         ids = llm.generate_ids([llm.encode(prompt)], **options)[0]
@@ -370,7 +380,7 @@ def _json_result(llm, ids: list[int], stats, load_seconds: float) -> dict:
 
 CHAT_HELP = """\
 /help          this list
-/clear         forget the conversation (the system prompt stays; --image/--audio files join the next message)
+/clear         forget the conversation (the system prompt stays; --image/--audio/--video files join the next message)
 /system TEXT   set the system prompt (/system alone removes it)
 /exit          end the chat (or Ctrl-D)
 Ctrl-C stops a reply and keeps the conversation; at the prompt it ends the chat.
@@ -407,6 +417,7 @@ class Chat:
         self.turns: list[dict] = []  # user and assistant messages, oldest first
         self.media = [{"type": "image", "image": p} for p in args.image]
         self.media += [{"type": "audio", "audio": p} for p in args.audio]
+        self.media += [{"type": "video", "video": p} for p in args.video]
         self.sampling = _sampling(args, llm)
         # Control-token strings typed in a message stay text unless the user says otherwise.
         self.rendering = dict(
@@ -661,7 +672,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: 
 
 
 def _add_media_flags(parser: argparse.ArgumentParser, where: str) -> None:
-    media = parser.add_argument_group("media", f"images and audio (repeatable); {where}")
+    media = parser.add_argument_group("media", f"images, audio and videos (repeatable); {where}")
     media.add_argument(
         "--image", action="append", default=[], metavar="PATH", help="an image file (PNG, JPEG, ...)"
     )
@@ -671,6 +682,13 @@ def _add_media_flags(parser: argparse.ArgumentParser, where: str) -> None:
         default=[],
         metavar="PATH",
         help="an audio file (WAV; FLAC/OGG/MP3 need soundfile)",
+    )
+    media.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a video file (MP4, WebM, ...; needs PyAV: pip install 'torchgemma[video]')",
     )
 
 
@@ -736,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_media_flags(
         generate,
-        "each fills one <|image|> / <|audio|> placeholder of the prompt, in order; a prompt without "
+        "each fills one <|image|> / <|audio|> / <|video|> placeholder of the prompt, in order; a prompt without "
         "placeholders of a kind gets one per file appended at its end",
     )
     generate.set_defaults(func=cmd_generate, parser=generate)
@@ -923,7 +941,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise CLIError(f"the server needs {', '.join(missing)}: pip install 'torchgemma[serve]'")
-    args.image = args.audio = []
+    args.image = args.audio = args.video = []
     _prepare(args)
     import uvicorn
 

@@ -7,10 +7,12 @@
     llm.chat([{"role": "user", "content": [
         {"type": "image", "image": "cat.jpg"}, {"type": "text", "text": "What is this?"}]}])
     llm.generate("<|image|>A photo of", images=["cat.jpg"])
+    llm.generate("<|video|>In this clip,", videos=["clip.mp4"])
 
-Images (a path, PIL image or array) and audio (a path, or a 16 kHz mono array) are preprocessed as
-transformers' Gemma 4 processor does, and each ``<|image|>`` / ``<|audio|>`` placeholder of the
-prompt is expanded into that item's soft tokens; raw prompts need one placeholder per item.
+Images (a path, PIL image or array), audio (a path, or a 16 kHz mono array) and videos (a path, a list
+of frames, or a ``Video``) are preprocessed as transformers' Gemma 4 processor does, and each
+``<|image|>`` / ``<|audio|>`` / ``<|video|>`` placeholder of the prompt is expanded into that item's
+soft tokens (a video's frames each after its timestamp); raw prompts need one placeholder per item.
 
 Sampling arguments (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
 ``seed``, ``stop_token_ids``) are those of ``torchgemma.generation.generate``; what is left unset
@@ -31,8 +33,9 @@ import torch
 
 from .embedding import SentenceHead, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
-from .processing import MediaTokens, collect_media, prepare_media_prompts
+from .processing import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
+from .processing.video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
 from .weights.loading import load
 from .weights.source import auto_quantization, resolve_source
@@ -110,6 +113,8 @@ class LLM:
 
     ``max_soft_tokens``: soft tokens per image (70, 140, 280, 560 or 1120); by default the
     checkpoint's processor config (``processor_config.json`` / ``preprocessor_config.json``), else 280.
+    Videos keep ``video_num_frames`` frames of ``video_soft_tokens`` soft tokens each: the processor
+    config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
     ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
     blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None).
     """
@@ -134,6 +139,7 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(folder)
         self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)
+        self.video_soft_tokens, self.video_num_frames = _video_settings(folder)
         text = self.model.config.text
         self.generation_config = GenerationConfig.from_folder(folder, text)
         if self.tokenizer.vocab_size > text.vocab_size:
@@ -188,22 +194,33 @@ class LLM:
         prompts: Sequence[Sequence[int]],
         images: Sequence[Any] | None = None,
         audio: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Model inputs for token prompts, as transformers' Gemma 4 processor returns them.
 
         ``input_ids`` and ``attention_mask`` (B, L) left-padded; with media, placeholders expanded
-        (the i-th ``<|image|>`` over all rows takes ``images[i]``, likewise audio), plus
+        (the i-th ``<|image|>`` over all rows takes ``images[i]``, likewise audio and videos), plus
         ``mm_token_type_ids`` and the preprocessed ``pixel_values`` / ``image_position_ids`` /
-        ``input_features`` / ``input_features_mask``. ``generate(llm.model, **inputs, ...)`` runs them.
+        ``input_features`` / ``input_features_mask`` / ``pixel_values_videos`` /
+        ``video_position_ids`` / ``num_frames_per_video``. ``generate(llm.model, **inputs, ...)``
+        runs them.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        images, audio = list(images or ()), list(audio or ())
-        if not images and not audio:
+        images, audio, videos = list(images or ()), list(audio or ()), list(videos or ())
+        if not images and not audio and not videos:
             input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
             return {"input_ids": input_ids, "attention_mask": mask}
         prepared = prepare_media_prompts(
-            prompts, self._media_tokens(images, audio), images, audio, self.max_soft_tokens
+            prompts,
+            self._media_tokens(images, audio, videos),
+            images,
+            audio,
+            self.max_soft_tokens,
+            videos=videos,
+            tokenizer=self.tokenizer,
+            video_soft_tokens=self.video_soft_tokens,
+            num_frames=self.video_num_frames,
         )
         input_ids, mask = self._left_pad(prepared.pop("input_ids"), self.generation_config.pad_token_id or 0)
         types, _ = self._left_pad(prepared.pop("mm_token_type_ids"), 0)
@@ -221,7 +238,8 @@ class LLM:
         With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         images, audio = collect_media(messages)
         ids = self.chat_ids(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
-        return self.inputs([ids], images, audio)
+        videos = collect_videos(messages)
+        return self.inputs([ids], images, audio, videos) if videos else self.inputs([ids], images, audio)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -231,15 +249,17 @@ class LLM:
         *,
         images: Sequence[Any] | None = None,
         audio: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
     ) -> list[list[int]]:
         """New token ids for each prompt (left-padded into one batch), each cut after its stop token.
 
-        ``images`` / ``audio`` fill the prompts' placeholders in order (see ``inputs``).
+        ``images`` / ``audio`` / ``videos`` fill the prompts' placeholders in order (see ``inputs``).
         """
-        return self._collect(self.inputs(prompts, images, audio), max_new_tokens, stats, sampling)
+        inputs = self.inputs(prompts, images, audio, videos)
+        return self._collect(inputs, max_new_tokens, stats, sampling)
 
     def _collect(
         self, inputs: dict, max_new_tokens: int | None, stats: GenerationStats | None, sampling: dict
@@ -260,6 +280,7 @@ class LLM:
         *,
         images: Sequence[Any] | None = None,
         audio: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
@@ -267,14 +288,15 @@ class LLM:
         """Continue a raw prompt (or a list of prompts, run as one batch); returns the new text.
 
         The text is decoded with special tokens kept, without the stop token that ended it.
-        ``images`` / ``audio`` need one ``<|image|>`` / ``<|audio|>`` placeholder each in the
-        prompt text (over all prompts, in order).
+        ``images`` / ``audio`` / ``videos`` need one ``<|image|>`` / ``<|audio|>`` / ``<|video|>``
+        placeholder each in the prompt text (over all prompts, in order).
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = self.generate_ids(
             [self.encode(p) for p in prompts],
             images=images,
             audio=audio,
+            videos=videos,
             max_new_tokens=max_new_tokens,
             stats=stats,
             **sampling,
@@ -289,12 +311,13 @@ class LLM:
         *,
         images: Sequence[Any] | None = None,
         audio: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         max_new_tokens: int | None = None,
         stats: GenerationStats | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """Like ``generate`` for one prompt, yielding text pieces as they complete."""
-        inputs = self.inputs([self.encode(prompt)], images, audio)
+        inputs = self.inputs([self.encode(prompt)], images, audio, videos)
         yield from self._stream_text(inputs, max_new_tokens, stats, sampling)
 
     def chat(
@@ -310,8 +333,9 @@ class LLM:
         """The model's next turn in a conversation of ``{"role", "content"}`` messages.
 
         ``content`` is a string or a list of items: ``{"type": "text", "text": ...}``,
-        ``{"type": "image", "image": path | PIL image | array}`` and ``{"type": "audio", "audio":
-        path | 16 kHz array}`` (``"url"`` / ``"path"`` keys hold local paths or ``file://`` URLs).
+        ``{"type": "image", "image": path | PIL image | array}``, ``{"type": "audio", "audio":
+        path | 16 kHz array}`` and ``{"type": "video", "video": path | list of frames | Video}``
+        (``"url"`` / ``"path"`` keys hold local paths or ``file://`` URLs).
         Control tokens typed in the messages stay text unless ``sanitize_control_tokens=False``
         (see ``chat_ids``).
         """
@@ -445,15 +469,16 @@ class LLM:
         stops = tuple(self.generation_config.eos_token_ids)
         return {**sampling, "stop_token_ids": stops if turn_end in stops else (*stops, turn_end)}
 
-    def _media_tokens(self, images: list, audio: list) -> MediaTokens:
+    def _media_tokens(self, images: list, audio: list, videos: list = ()) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
         config = self.model.config
         vision = config.vision_config
-        if images and vision is None:
+        visual = "images" if images else "videos" if videos else None
+        if visual and vision is None:
             raise ValueError(
-                "this checkpoint has no vision tower (config.json has no vision_config): it cannot take images"
+                f"this checkpoint has no vision tower (config.json has no vision_config): it cannot take {visual}"
             )
-        if images and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
+        if visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
             raise ValueError(
                 f"image preprocessing makes {PATCH_SIZE} px patches pooled {POOLING_KERNEL}x{POOLING_KERNEL}, "
                 f"but this vision tower takes {vision.patch_size} px patches pooled "
@@ -468,7 +493,12 @@ class LLM:
         except UnknownTokenError as error:
             raise ValueError(f"the tokenizer lacks a multimodal token: {error}") from error
         # The model fills the positions of its config's ids; the tokenizer must write the same ones.
-        for name, ours in (("image", tokens.image), ("audio", tokens.audio)):
+        named = [("image", tokens.image), ("audio", tokens.audio)]
+        if videos:
+            if tokens.video is None:
+                raise ValueError("the tokenizer has no <|video|> token: it cannot take videos")
+            named.append(("video", tokens.video))
+        for name, ours in named:
             theirs = config.token_ids.get(f"{name}_token_id")
             if theirs != ours:
                 raise ValueError(
@@ -497,6 +527,22 @@ def _image_soft_tokens(folder: Path) -> int:
             if found:
                 return int(found)
     return DEFAULT_IMAGE_SOFT_TOKENS
+
+
+def _video_settings(folder: Path) -> tuple[int, int | None]:
+    """Soft tokens per frame and frames kept per video (None: all) from the checkpoint's video
+    processor config, as transformers saves it (nested in processor_config.json, or on its own)."""
+    found: dict[str, Any] = {}
+    if folder.is_dir():
+        nested, alone = folder / "processor_config.json", folder / "video_preprocessor_config.json"
+        if nested.is_file():
+            found = json.loads(nested.read_text(encoding="utf-8")).get("video_processor") or {}
+        if not found and alone.is_file():
+            found = json.loads(alone.read_text(encoding="utf-8"))
+    num_frames = found.get("num_frames", DEFAULT_NUM_FRAMES)
+    if found.get("do_sample_frames") is False:
+        num_frames = None
+    return int(found.get("max_soft_tokens") or DEFAULT_VIDEO_SOFT_TOKENS), num_frames
 
 
 def _without_stop(ids: Sequence[int], stops: frozenset[int]) -> list[int]:

@@ -49,6 +49,9 @@ MEDIA_INPUTS = (
     "input_features",
     "input_features_mask",
     "mm_token_type_ids",
+    "pixel_values_videos",
+    "video_position_ids",
+    "num_frames_per_video",
 )
 
 
@@ -169,6 +172,9 @@ class Engine:
         input_features: torch.Tensor | None = None,
         input_features_mask: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_position_ids: torch.Tensor | None = None,
+        num_frames_per_video: torch.Tensor | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next ``step()`` with a free slot.
 
@@ -188,6 +194,9 @@ class Engine:
             input_features=input_features,
             input_features_mask=input_features_mask,
             mm_token_type_ids=mm_token_type_ids,
+            pixel_values_videos=pixel_values_videos,
+            video_position_ids=video_position_ids,
+            num_frames_per_video=num_frames_per_video,
         )
         if "mm_token_type_ids" in media:
             media["mm_token_type_ids"] = media["mm_token_type_ids"].reshape(1, -1)

@@ -9,8 +9,8 @@ Every row is its own sequence (``Engine``): left padding is dropped, and a row g
 alone. Greedy decoding gives transformers' ``generate`` tokens: the prefill keeps only the last
 position's logits (``logits_to_keep=1``), logits are cast to float32 before sampling, rows that have
 stopped are reported as pad, and the loop ends when every row has stopped or ``max_new_tokens``
-were produced. Images and audio (and ``mm_token_type_ids``) go to the prefill only, as transformers'
-``prepare_inputs_for_generation`` drops them after the first step.
+were produced. Images, video and audio (and ``mm_token_type_ids``) go to the prefill only, as
+transformers' ``prepare_inputs_for_generation`` drops them after the first step.
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ def stream(
     input_features: torch.Tensor | None = None,
     input_features_mask: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_position_ids: torch.Tensor | None = None,
+    num_frames_per_video: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
@@ -147,6 +150,9 @@ def stream(
         input_features=input_features,
         input_features_mask=input_features_mask,
         mm_token_type_ids=mm_token_type_ids,
+        pixel_values_videos=pixel_values_videos,
+        video_position_ids=video_position_ids,
+        num_frames_per_video=num_frames_per_video,
     )
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
@@ -282,6 +288,9 @@ def generate(
     input_features: torch.Tensor | None = None,
     input_features_mask: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_position_ids: torch.Tensor | None = None,
+    num_frames_per_video: torch.Tensor | None = None,
 ) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
@@ -300,7 +309,8 @@ def generate(
     * ``cache``: a ``model.make_cache(B, >= L + N)`` to reuse (it is reset first).
     * Media, as transformers' Gemma 4 processor returns them (``torchgemma.processing.
       prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
-      ``image_position_ids``, ``input_features`` with ``input_features_mask``, and
+      ``image_position_ids``, ``input_features`` with ``input_features_mask``,
+      ``pixel_values_videos`` with ``video_position_ids`` and ``num_frames_per_video``, and
       ``mm_token_type_ids`` (B, L). They are used by the prefill only, so
       ``generate(model, **processor_outputs, ...)`` works as with transformers.
     """
@@ -325,6 +335,9 @@ def generate(
             input_features=input_features,
             input_features_mask=input_features_mask,
             mm_token_type_ids=mm_token_type_ids,
+            pixel_values_videos=pixel_values_videos,
+            video_position_ids=video_position_ids,
+            num_frames_per_video=num_frames_per_video,
         )
     )
     if not isinstance(input_ids, torch.Tensor):

@@ -115,13 +115,22 @@ class Gemma(nn.Module):
         input_features_mask: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_position_ids: torch.Tensor | None = None,
+        num_frames_per_video: torch.Tensor | list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Text embeddings with soft tokens scattered in (B, T, H), and the ids for the per-layer table.
 
         Placeholder positions are embedded as the pad token first (the pad id also picks their
         per-layer embedding row), then overwritten in sequence order by the soft tokens. A
-        placeholder without media keeps the pad embedding, as in the reference.
+        placeholder without media keeps the pad embedding, as in the reference. Video frames go
+        through the vision tower as images do; ``num_frames_per_video`` is only checked.
         """
+        if pixel_values_videos is not None and num_frames_per_video is not None:
+            frames = int(sum(int(n) for n in num_frames_per_video))
+            if frames != pixel_values_videos.shape[0]:
+                raise ValueError(
+                    f"num_frames_per_video sums to {frames} but pixel_values_videos has "
+                    f"{pixel_values_videos.shape[0]} frames"
+                )
         masks = placeholder_masks(input_ids, self.config.token_ids)
         text_ids = self.text_ids(input_ids)
         embeds = self.language_model.embed(text_ids)
@@ -168,8 +177,9 @@ class Gemma(nn.Module):
         ``pixel_values_videos`` / ``video_position_ids`` (all frames of all videos concatenated;
         ``num_frames_per_video`` is only checked). Soft tokens fill the ``<|image|>`` /
         ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
-        on bidirectional attention inside each image on sliding layers, for checkpoints with
-        ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the prompt only.
+        on bidirectional attention inside each image and each video frame on sliding layers, for
+        checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the
+        prompt only.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
@@ -190,13 +200,6 @@ class Gemma(nn.Module):
             raise ValueError(
                 "input_features and input_features_mask go together (the processor returns both)"
             )
-        if pixel_values_videos is not None and num_frames_per_video is not None:
-            frames = int(sum(int(n) for n in num_frames_per_video))
-            if frames != pixel_values_videos.shape[0]:
-                raise ValueError(
-                    f"num_frames_per_video sums to {frames} but pixel_values_videos has "
-                    f"{pixel_values_videos.shape[0]} frames"
-                )
         embeds, text_ids = self.embed_multimodal(
             input_ids,
             pixel_values,
@@ -205,6 +208,7 @@ class Gemma(nn.Module):
             input_features_mask,
             pixel_values_videos,
             video_position_ids,
+            num_frames_per_video,
         )
         blocks = None
         if mm_token_type_ids is not None and self.config.text.use_bidirectional_attention == "vision":

@@ -4,10 +4,14 @@ Each ``<|image|>`` of a prompt becomes ``<|image>`` + n × ``<|image|>`` + ``<im
 soft tokens) and each ``<|audio|>`` becomes ``<|audio>`` + n × ``<|audio|>`` + ``<audio|>`` (n: from
 that clip's frame mask), the i-th placeholder of a kind taking the i-th item of that kind, row after
 row (processing_gemma4.py ``replace_*_token``, processing_utils.py ``get_text_with_replacements``).
-``mm_token_type_ids`` marks soft tokens: 1 image, 2 video, 3 audio, 0 otherwise.
+Each ``<|video|>`` becomes, for each of its frames, ``"mm:ss "`` + ``<|image>`` + n × ``<|video|>`` +
+``<image|>``, the frames joined by single spaces. ``mm_token_type_ids`` marks soft tokens: 1 image,
+2 video, 3 audio, 0 otherwise.
 
 Ids are expanded rather than text: the placeholders and the tokens around them are special tokens,
-which the tokenizer never merges with their neighbours, so the ids come out the same.
+which the tokenizer never merges with their neighbours, so the ids come out the same. A video's
+timestamps are text, though: the first one is encoded together with the plain text before it (back
+to the previous added token), as encoding the expanded prompt would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ import torch
 
 from .audio import AudioInput, process_audio
 from .image import ImageInput, process_images
+from .video import (
+    DEFAULT_NUM_FRAMES,
+    DEFAULT_VIDEO_SOFT_TOKENS,
+    VideoInput,
+    format_timestamp,
+    process_videos,
+)
 
 IMAGE_TYPE, VIDEO_TYPE, AUDIO_TYPE = 1, 2, 3  # processing_utils.py create_mm_token_type_ids
 
@@ -63,33 +74,47 @@ def audio_soft_token_counts(input_features_mask: torch.Tensor) -> list[int]:
     return counts
 
 
+@dataclass(frozen=True)
+class VideoTokens:
+    """What a video's placeholder expands to: soft tokens per frame, and each frame's time in seconds."""
+
+    soft_tokens_per_frame: int
+    timestamps: Sequence[float]
+
+
 def expand_placeholders(
     rows: Sequence[Sequence[int]],
     tokens: MediaTokens,
     image_soft_tokens: Sequence[int] = (),
     audio_soft_tokens: Sequence[int] = (),
+    videos: Sequence[VideoTokens] = (),
+    tokenizer: Any = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Expand every placeholder of every row; returns (expanded rows, their mm_token_type_ids).
 
-    The number of ``<|image|>`` / ``<|audio|>`` placeholders over all rows must equal the number of
-    images / clips (ValueError otherwise, as the processor raises).
+    The number of ``<|image|>`` / ``<|audio|>`` / ``<|video|>`` placeholders over all rows must equal
+    the number of images / clips / videos (ValueError otherwise, as the processor raises). Videos
+    need the ``tokenizer`` (a ``torchgemma.Tokenizer``) for their timestamps.
     """
-    kinds = (
+    kinds = [
         ("image", tokens.image, image_soft_tokens, "images"),
         ("audio", tokens.audio, audio_soft_tokens, "audio clips"),
-    )
+    ]
+    if tokens.video is not None:
+        kinds.append(("video", tokens.video, videos, "videos"))
+    elif videos:
+        raise ValueError("videos were given, but the tokenizer has no <|video|> token")
     for kind, token, counts, items in kinds:
         found = sum(list(row).count(token) for row in rows)
         if found != len(counts):
-            placeholder = "<|image|>" if kind == "image" else "<|audio|>"
             raise ValueError(
-                f"the prompt has {found} {kind} placeholder(s) ({placeholder}) but {len(counts)} "
+                f"the prompt has {found} {kind} placeholder(s) (<|{kind}|>) but {len(counts)} "
                 f"{items} were given; each {kind} needs exactly one placeholder"
             )
-    if tokens.video is not None and any(tokens.video in row for row in rows):
-        raise ValueError("the prompt has <|video|> placeholders, but video input is not supported here")
+    if videos and tokenizer is None:
+        raise ValueError("expanding video placeholders needs the tokenizer (for the timestamps)")
 
-    images, clips = iter(image_soft_tokens), iter(audio_soft_tokens)
+    images, clips, each_video = iter(image_soft_tokens), iter(audio_soft_tokens), iter(videos)
     runs = {
         tokens.image: lambda: [tokens.image_start, *[tokens.image] * next(images), tokens.image_end],
         tokens.audio: lambda: [tokens.audio_start, *[tokens.audio] * next(clips), tokens.audio_end],
@@ -101,10 +126,40 @@ def expand_placeholders(
     for row in rows:
         ids: list[int] = []
         for token in row:
-            ids.extend(runs[token]() if token in runs else (token,))
+            if token == tokens.video:
+                ids = _with_video(ids, next(each_video), tokens, tokenizer)
+            else:
+                ids.extend(runs[token]() if token in runs else (token,))
         expanded.append(ids)
         type_rows.append([types.get(token, 0) for token in ids])
     return expanded, type_rows
+
+
+def _with_video(ids: list[int], video: VideoTokens, tokens: MediaTokens, tokenizer: Any) -> list[int]:
+    """``ids`` followed by a video's frames: ``"mm:ss <|image>" + n × <|video|> + "<image|>"`` each,
+    joined by spaces (processing_gemma4.py ``replace_video_token``)."""
+    added = frozenset(tokenizer.backend.get_added_tokens_decoder())
+    frame = [tokens.image_start, *[tokens.video] * video.soft_tokens_per_frame, tokens.image_end]
+    for index, seconds in enumerate(video.timestamps):
+        ids = _append_text(ids, f"{' ' if index else ''}{format_timestamp(seconds)} ", tokenizer, added)
+        ids = ids + frame
+    return ids
+
+
+def _append_text(ids: list[int], text: str, tokenizer: Any, added: frozenset[int]) -> list[int]:
+    """``ids`` followed by ``text``, tokenized as the processor's expanded prompt is.
+
+    The tokenizer encodes the text between two added tokens as one piece, so ``text`` joins the
+    plain-text ids at the end of ``ids``: they are decoded and encoded again together with it. Should
+    those ids not be what their text encodes to (text sanitized piece by piece), they stay as they are.
+    """
+    start = len(ids)
+    while start > 0 and ids[start - 1] not in added:
+        start -= 1
+    before = tokenizer.decode(ids[start:]) if start < len(ids) else ""
+    if before and tokenizer.encode(before, add_special_tokens=False) != ids[start:]:
+        start, before = len(ids), ""
+    return ids[:start] + tokenizer.encode(before + text, add_special_tokens=False)
 
 
 def prepare_media_prompts(
@@ -113,16 +168,25 @@ def prepare_media_prompts(
     images: Sequence[ImageInput] = (),
     audio: Sequence[AudioInput] = (),
     max_soft_tokens: int = 280,
+    *,
+    videos: Sequence[VideoInput] = (),
+    tokenizer: Any = None,
+    video_soft_tokens: int = DEFAULT_VIDEO_SOFT_TOKENS,
+    num_frames: int | None = DEFAULT_NUM_FRAMES,
 ) -> dict[str, Any]:
     """Token rows with placeholders plus their media -> what the model's prefill takes.
 
     Returns ``input_ids`` and ``mm_token_type_ids`` (lists of rows, unpadded), and the tensors of
-    ``process_images`` (``pixel_values``, ``image_position_ids``) and ``process_audio``
-    (``input_features``, ``input_features_mask``) for the kinds given.
+    ``process_images`` (``pixel_values``, ``image_position_ids``), ``process_audio``
+    (``input_features``, ``input_features_mask``) and ``process_videos`` (``pixel_values_videos``,
+    ``video_position_ids``, ``num_frames_per_video``) for the kinds given. Videos need the
+    ``tokenizer``; ``video_soft_tokens`` and ``num_frames`` are their soft tokens per frame and
+    frames kept.
     """
     out: dict[str, Any] = {}
     image_counts: list[int] = []
     audio_counts: list[int] = []
+    video_tokens: list[VideoTokens] = []
     if images:
         processed = process_images(list(images), max_soft_tokens=max_soft_tokens)
         image_counts = processed.pop("num_soft_tokens")
@@ -131,19 +195,29 @@ def prepare_media_prompts(
         processed = process_audio(list(audio))
         audio_counts = audio_soft_token_counts(processed["input_features_mask"])
         out.update(processed)
-    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(rows, tokens, image_counts, audio_counts)
+    if videos:
+        processed = process_videos(list(videos), num_frames=num_frames, max_soft_tokens=video_soft_tokens)
+        video_tokens = [
+            VideoTokens(n, times)
+            for n, times in zip(processed.pop("num_soft_tokens"), processed.pop("timestamps"))
+        ]
+        out.update(processed)
+    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(
+        rows, tokens, image_counts, audio_counts, video_tokens, tokenizer
+    )
     return out
 
 
 # Content-item keys that hold the media, in transformers' order (processing_utils.py, apply_chat_template).
 _IMAGE_KEYS = ("image", "url", "path")
 _AUDIO_KEYS = ("audio", "url", "path")
+_VIDEO_KEYS = ("video", "url", "path")
 
 
 def collect_media(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[Any]]:
     """The images and audio clips of a conversation's content items, in the order the template
     writes their placeholders: ``{"type": "image", "image" | "url" | "path": ...}`` and
-    ``{"type": "audio", "audio" | "url" | "path": ...}``."""
+    ``{"type": "audio", "audio" | "url" | "path": ...}``. Videos: see ``collect_videos``."""
     images, audio = [], []
     for message in messages:
         content = message.get("content")
@@ -155,9 +229,21 @@ def collect_media(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], lis
                 images.append(_media_source(item, _IMAGE_KEYS, kind))
             elif kind == "audio":
                 audio.append(_media_source(item, _AUDIO_KEYS, kind))
-            elif kind == "video":
-                raise ValueError("video content items are not supported")
     return images, audio
+
+
+def collect_videos(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The videos of a conversation's ``{"type": "video", "video" | "url" | "path": ...}`` items
+    (a path, a list of frames, a 4-D array or a ``Video``), in placeholder order."""
+    videos = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        for item in content:
+            if isinstance(item, Mapping) and item.get("type") == "video":
+                videos.append(_media_source(item, _VIDEO_KEYS, "video"))
+    return videos
 
 
 def _media_source(item: Mapping[str, Any], keys: tuple[str, ...], kind: str) -> Any:
