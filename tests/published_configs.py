@@ -103,3 +103,41 @@ def multimodal(text: dict) -> dict:
         "tie_word_embeddings": True,
         "dtype": "bfloat16",
     }
+
+
+# google/embeddinggemma-300m: a bidirectional Gemma 3 text model (config.json), then sentence-transformers
+# modules whose two Dense layers (768 -> 3072 -> 768, no bias, identity) are counted by info too.
+# Google gives it as 308M parameters.
+EMBEDDINGGEMMA_300M = dict(
+    architectures=["Gemma3TextModel"],
+    model_type="gemma3_text",
+    _sliding_window_pattern=6,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size=768,
+    intermediate_size=1152,
+    max_position_embeddings=2048,
+    num_attention_heads=3,
+    num_hidden_layers=24,
+    num_key_value_heads=1,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-06,
+    rope_local_base_freq=10000.0,
+    rope_theta=1000000.0,
+    sliding_window=512,
+    use_bidirectional_attention=True,
+    vocab_size=262144,
+)
+EMBEDDINGGEMMA_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+    {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+EMBEDDINGGEMMA_DENSE = {
+    "2_Dense": {"in_features": 768, "out_features": 3072, "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity"},
+    "3_Dense": {"in_features": 3072, "out_features": 768, "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity"},
+}  # fmt: skip

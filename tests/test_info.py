@@ -5,7 +5,13 @@ import json
 import pytest
 import torch
 
-from published_configs import PUBLISHED, multimodal
+from published_configs import (
+    EMBEDDINGGEMMA_300M,
+    EMBEDDINGGEMMA_DENSE,
+    EMBEDDINGGEMMA_MODULES,
+    PUBLISHED,
+    multimodal,
+)
 from torchgemma.cli import main
 from torchgemma.config import ModelConfig
 from torchgemma.info import describe
@@ -111,3 +117,27 @@ def test_cli_errors(tmp_path, capsys):
     assert "unsupported model_type 'bert'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["info"])
+
+
+def test_embeddinggemma_counts_its_sentence_head(tmp_path, capsys):
+    """EmbeddingGemma's published files (config.json, modules.json, the Dense configs): the decoder
+    and the two Dense layers make Google's 308M; without modules.json only the decoder counts."""
+    (tmp_path / "config.json").write_text(json.dumps(EMBEDDINGGEMMA_300M))
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    decoder = json.loads(capsys.readouterr().out)
+    assert "sentence_head" not in decoder["params_by_tower"]
+    (tmp_path / "modules.json").write_text(json.dumps(EMBEDDINGGEMMA_MODULES))
+    for name, config in EMBEDDINGGEMMA_DENSE.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["params_by_tower"]["sentence_head"] == 2 * 768 * 3072
+    assert info["params_total"] == decoder["params_total"] + 2 * 768 * 3072
+    assert round(info["params_total"] / 1e6) == 308
+    # The decoder count is transformers' own for the same config.
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    with torch.device("meta"):
+        reference = Gemma3TextModel(Gemma3TextConfig(**EMBEDDINGGEMMA_300M))
+    assert decoder["params_total"] == sum(p.numel() for p in reference.parameters())

@@ -282,7 +282,7 @@ def _report(stats, out) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .info import checkpoint_config, describe, format_report
+    from .info import checkpoint_config, describe, format_report, sentence_head_shapes
 
     if args.path is not None and args.model is not None:
         args.parser.error("give the checkpoint once: as an argument or with --model")
@@ -295,6 +295,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         batch=args.batch,
         dtype=resolve_dtype(args.dtype),
         max_rollback=args.max_rollback,
+        sentence_head=sentence_head_shapes(source),
     )
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0

@@ -340,6 +340,28 @@ class SentenceHead(nn.Module):
         return F.normalize(vectors, p=2, dim=-1) if self.normalize else vectors
 
 
+def dense_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """The sentence-transformers Dense layers' tensor shapes, from ``modules.json`` and each layer's
+    ``config.json`` (no weights read): ``{"2_Dense.linear.weight": (3072, 768), ...}``; empty for a
+    folder without ``modules.json``. What ``torchgemma info`` counts as the sentence head."""
+    folder = Path(folder)
+    if not (folder / MODULES_FILE).is_file():
+        return {}
+    shapes = {}
+    for entry in _read_json(folder / MODULES_FILE):
+        if MODULE_KINDS.get(entry.get("type")) != "dense":
+            continue
+        data = _read_json(folder / entry["path"] / "config.json")
+        try:
+            out_features, in_features = int(data["out_features"]), int(data["in_features"])
+        except KeyError as error:
+            raise ValueError(f"{folder / entry['path']}/config.json has no {error.args[0]!r}") from error
+        shapes[f"{entry['path']}.linear.weight"] = (out_features, in_features)
+        if data.get("bias", True):
+            shapes[f"{entry['path']}.linear.bias"] = (out_features,)
+    return shapes
+
+
 def _max_length(folder: Path, text: TextConfig) -> int:
     """Most tokens per text, as sentence-transformers decides: ``max_seq_length`` in
     sentence_bert_config.json (what version 5 saved), else the tokenizer's ``model_max_length``

@@ -22,6 +22,10 @@ from .weights.source import resolve_source
 
 GIB = 2**30
 
+# What info fetches of a hub repository: the model's config, and a sentence-transformers folder's
+# module list and Dense layer configs (EmbeddingGemma's sentence head). No weights.
+CONFIG_FILES = ["config.json", "modules.json", "*_Dense/config.json"]
+
 # Which tower a module path belongs to; everything else is the language model (and its head).
 TOWER_PREFIXES = {
     "vision": ("vision_tower.", "embed_vision."),
@@ -45,8 +49,10 @@ class TensorShape:
         return math.prod(self.shape)
 
 
-def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
-    """Every parameter and persistent buffer of the model ``load`` builds, grouped by tower."""
+def model_tensors(config: ModelConfig, sentence_head: dict | None = None) -> dict[str, list[TensorShape]]:
+    """Every parameter and persistent buffer of the model ``load`` builds, grouped by tower; with
+    ``sentence_head`` (``embedding.dense_shapes``: a sentence-transformers folder's Dense layers,
+    EmbeddingGemma's), those too, as the tower ``sentence_head``."""
     with torch.device("meta"):
         model = Gemma(config)
     persistent = set(model.state_dict())
@@ -69,6 +75,8 @@ def model_tensors(config: ModelConfig) -> dict[str, list[TensorShape]]:
     for tensor in tensors:
         tower = next((t for t, prefixes in TOWER_PREFIXES.items() if tensor.name.startswith(prefixes)), None)
         towers.setdefault(tower or "language_model", []).append(tensor)
+    if sentence_head:
+        towers["sentence_head"] = [TensorShape(name, shape) for name, shape in sentence_head.items()]
     return towers
 
 
@@ -82,7 +90,7 @@ def checkpoint_config(source: str | Path) -> ModelConfig:
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".json":
         return ModelConfig.from_file(path)
-    local = resolve_source(source, hub_files=["config.json"])
+    local = resolve_source(source, hub_files=CONFIG_FILES)
     if local.suffix != ".gguf":
         return ModelConfig.from_file(local)
     from .weights.gguf import read_gguf
@@ -91,6 +99,17 @@ def checkpoint_config(source: str | Path) -> ModelConfig:
         return ModelConfig.from_hf(read_gguf(local).config)
     except ConfigError as err:
         raise ConfigError(f"{local}: {err}") from err
+
+
+def sentence_head_shapes(source: str | Path) -> dict:
+    """A sentence-transformers folder's Dense shapes (``embedding.dense_shapes``); empty otherwise."""
+    from .embedding import dense_shapes
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        return {}
+    local = resolve_source(source, hub_files=CONFIG_FILES)
+    return {} if local.suffix == ".gguf" else dense_shapes(local)
 
 
 def active_params(config: ModelConfig, tensors: list[TensorShape]) -> int:
@@ -153,15 +172,17 @@ def describe(
     batch: int = 1,
     dtype: torch.dtype | None = None,
     max_rollback: int = 0,
+    sentence_head: dict | None = None,
 ) -> dict:
-    """Parameter counts and memory of a checkpoint, as a JSON-ready dict."""
+    """Parameter counts and memory of a checkpoint, as a JSON-ready dict (``sentence_head``: see
+    ``model_tensors``)."""
     text = config.text
     context = context or text.max_position_embeddings
     # A float16 checkpoint loads in float32 (float16 overflows Gemma's activations), its cache too.
     kv_dtype = dtype or {"float32": torch.float32, "float16": torch.float32}.get(
         config.dtype or "", torch.bfloat16
     )
-    towers = model_tensors(config)
+    towers = model_tensors(config, sentence_head)
     everything = [t for tensors in towers.values() for t in tensors]
 
     def count(tensors):
