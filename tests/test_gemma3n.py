@@ -1,0 +1,235 @@
+"""Gemma 3n's text decoder through the same decoder, as config data: parity with transformers.
+
+Both layouts: ``gemma3n_text`` (Gemma3nForCausalLM) and ``gemma3n`` (Gemma3nForConditionalGeneration,
+text only: the towers are not built, their embedders' token tables are).
+"""
+
+import pytest
+import torch
+
+import torchgemma
+from gemma3n_checkpoints import TEXT, build, reference_model, text_config
+from torchgemma.config import FULL, SLIDING, ModelConfig
+from torchgemma.generation import generate
+from torchgemma.model.layers import normal_quantile
+
+LAYOUTS = ["gemma3n_text", "gemma3n"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3n")
+    return {
+        layout: build(root / layout, multimodal=layout == "gemma3n", seed=40 + i)
+        for i, layout in enumerate(LAYOUTS)
+    }
+
+
+@pytest.fixture(scope="module")
+def gen_checkpoints(tmp_path_factory):
+    """Small token embeddings: greedy continuations that vary."""
+    root = tmp_path_factory.mktemp("gemma3n-gen")
+    seeds = {"gemma3n_text": 52, "gemma3n": 51}
+    return {
+        layout: build(root / layout, multimodal=layout == "gemma3n", seed=seed, embed_scale=0.05)
+        for layout, seed in seeds.items()
+    }
+
+
+def padded_batch(seed: int, width: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows, the second left-padded; ids from the whole vocabulary (media ids 260-299 included)."""
+    ids = torch.randint(3, 300, (2, width), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_transformers(checkpoints, layout, dtype):
+    folder = checkpoints[layout]
+    ref = reference_model(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    ids, mask = padded_batch(seed=7)
+    assert ((ids >= 260) & (mask == 1)).any(), "no media-vocabulary id in the batch"
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        theirs = ref(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        ours = model(ids, attention_mask=mask)
+        last = model(ids, attention_mask=mask, logits_to_keep=1)
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, theirs), f"max |Δ| = {(ours.float() - theirs.float()).abs().max()}"
+        assert torch.equal(last, theirs[:, -1:])
+    else:
+        assert (ours - theirs).abs().max().item() <= 1e-5
+        assert (last - theirs[:, -1:]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_matches_transformers(gen_checkpoints, layout, dtype):
+    folder = gen_checkpoints[layout]
+    ref = reference_model(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    width, new = 12, 18  # more than 3x the sliding window (5)
+    ids = torch.randint(3, 300, (3, width), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    for row, real in ((1, 3), (2, 8)):
+        mask[row, : width - real] = 0
+        ids[row, : width - real] = 0
+
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=new, temperature=0, stop_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    assert torch.equal(ours, theirs), f"\nours   {ours[:, width:]}\ntheirs {theirs[:, width:]}"
+    assert all(len(set(row)) >= 5 for row in ours[:, width:].tolist()), "degenerate continuation"
+
+    for prompt in (ids[1:2, -3:], ids[:1]):  # shorter and longer than the window, no mask
+        ours = generate(model, prompt, max_new_tokens=new, stop_token_ids=[])
+        with torch.no_grad():
+            theirs = ref.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
+        assert torch.equal(ours, theirs), f"\nours   {ours}\ntheirs {theirs}"
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cached_decoding_equals_full_forward(checkpoints, layout, backend):
+    """Prefill then one token at a time, across the window's wrap-around and the KV-shared layers."""
+    model = torchgemma.load(checkpoints[layout], attention=backend)
+    ids = torch.randint(3, 300, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = model.make_cache(1, 20)
+    with torch.no_grad():
+        full = model(ids)
+        steps = [model(ids[:, :6], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(6, 20)
+        ]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=5e-5)
+
+
+def test_config_as_data(checkpoints):
+    """Everything that differs is config data, read as transformers reads it."""
+    ref = text_config()
+    for layout in LAYOUTS:
+        config = ModelConfig.from_file(checkpoints[layout])
+        text = config.text
+        assert config.model_type == layout and config.vision_config is None and config.audio_config is None
+        assert [s.intermediate_size for s in text.layers] == TEXT["intermediate_size"]
+        assert [s.activation_sparsity for s in text.layers] == TEXT["activation_sparsity_pattern"]
+        roles = [None if s.kv_role == "own" else s.kv_role for s in text.layers]
+        assert roles == ref.kv_sharing_modes
+        assert {s.head_dim for s in text.layers} == {16}  # one geometry for both layer types
+        assert {t: (r.rope_type, r.theta) for t, r in text.rope.items()} == {
+            t: (p["rope_type"], p["rope_theta"]) for t, p in ref.rope_parameters.items()
+        }
+        assert (text.altup_num_inputs, text.altup_active_idx, text.laurel_rank) == (4, 0, 4)
+        assert text.final_logit_softcapping == 30.0 and text.attention_scale == 1.0
+        assert not text.norm_plus_one and text.use_v_norm and not text.use_layer_scalar
+        assert text.ple_scales_in_model_dtype and not text.trim_kv_shared_layers
+    media = ModelConfig.from_file(checkpoints["gemma3n"]).text.media_vocabularies
+    assert [(v.name, v.offset, v.end, v.size) for v in media] == [
+        ("vision", 260, 280, 20),
+        ("audio", 280, None, 20),
+    ]
+    assert ModelConfig.from_file(checkpoints["gemma3n_text"]).text.media_vocabularies == ()
+
+
+def test_published_style_config_defaults():
+    """A config as published (RoPE in older keys, one MLP width, no sparsity pattern or layer types)
+    reads with transformers' Gemma3nTextConfig defaults."""
+    from transformers import Gemma3nTextConfig
+
+    published = dict(
+        model_type="gemma3n_text",
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=500_000.0,
+        rope_local_base_freq=20_000.0,
+        rope_scaling=None,
+        num_kv_shared_layers=5,
+        query_pre_attn_scalar=256,  # read by neither: Gemma 3n's attention scale is 1
+    )
+    text = ModelConfig.from_hf(published).text
+    ref = Gemma3nTextConfig(**{k: v for k, v in published.items() if k != "model_type"})
+    assert list(text.layer_types) == ref.layer_types
+    assert [s.intermediate_size for s in text.layers] == ref.intermediate_size
+    assert [s.activation_sparsity for s in text.layers] == ref.activation_sparsity_pattern
+    assert [None if s.kv_role == "own" else s.kv_role for s in text.layers] == ref.kv_sharing_modes
+    assert (text.rope[SLIDING].theta, text.rope[FULL].theta) == (20_000.0, 500_000.0)
+    assert (text.sliding_window, text.final_logit_softcapping, text.max_position_embeddings) == (
+        ref.sliding_window,
+        ref.final_logit_softcapping,
+        ref.max_position_embeddings,
+    )
+    assert (text.laurel_rank, text.altup_num_inputs, text.hidden_size_per_layer_input) == (64, 4, 256)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(activation_sparsity_pattern=[1.0] * 6), "in \\[0, 1\\)"),
+        (dict(activation_sparsity_pattern=[0.5] * 5), "one value per layer"),
+        (dict(intermediate_size=[64] * 5), "intermediate_size has 5 entries"),
+        (dict(altup_active_idx=4), "altup_active_idx=4"),
+    ],
+)
+def test_bad_configs_are_named(change, message):
+    data = dict(TEXT, model_type="gemma3n_text", **change)
+    with pytest.raises(torchgemma.ConfigError, match=message):
+        ModelConfig.from_hf(data)
+
+
+def test_media_vocabulary_must_fit_its_table(checkpoints):
+    data = ModelConfig.from_file(checkpoints["gemma3n"]).source
+    data = {**data, "audio_config": {**data["audio_config"], "vocab_size": 10}}
+    with pytest.raises(torchgemma.ConfigError, match="audio_config: ids 280..299 go to its embedder"):
+        ModelConfig.from_hf(data)
+
+
+def test_towers_are_not_built(checkpoints):
+    model = torchgemma.load(checkpoints["gemma3n"])
+    names = [name for name, _ in model.named_parameters()]
+    assert not any(name.startswith(("vision_tower", "audio_tower")) for name in names)
+    assert "language_model.embed_vision.embedding.weight" in names
+    assert not any("soft_embedding_norm" in name for name in names)
+    with pytest.raises(ValueError, match="no towers"):
+        model(torch.tensor([[4, 5]]), pixel_values=torch.zeros(1, 3, 8, 8))
+
+
+def test_kv_shared_layers_own_no_kv_weights(checkpoints):
+    model = torchgemma.load(checkpoints["gemma3n_text"])
+    for spec, layer in zip(model.config.text.layers, model.language_model.layers):
+        assert hasattr(layer.self_attn, "k_proj") == (spec.kv_role != "reuse")
+    assert [layer is None for layer in model.make_cache(1, 8).layers] == [False] * 4 + [True] * 2
+
+
+def test_save_writes_the_checkpoint_names(checkpoints, tmp_path):
+    """torchgemma.save writes the tensors it loaded under their own names (the towers and their
+    soft-token norms, never loaded, are left out), and the saved folder loads to the same logits."""
+    from safetensors import safe_open
+
+    model = torchgemma.load(checkpoints["gemma3n"], attention="eager")
+    torchgemma.save(model, tmp_path)
+    with safe_open(checkpoints["gemma3n"] / "model.safetensors", "pt") as f:
+        published = {k for k in f.keys() if "_tower." not in k and "soft_embedding_norm" not in k}  # noqa: SIM118
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == published
+    ids, mask = padded_batch(seed=9)
+    with torch.no_grad():
+        again = torchgemma.load(tmp_path, attention="eager")(ids, attention_mask=mask)
+        assert torch.equal(again, model(ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("p", [0.95, 0.5, 0.25, 0.999])
+def test_normal_quantile_is_torch_distributions(p):
+    expected = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(p, dtype=torch.float32))
+    assert normal_quantile(p) == expected.item()
