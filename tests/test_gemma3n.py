@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import torchgemma
-from gemma3n_checkpoints import TEXT, build, reference_model, text_config
+from gemma3n_checkpoints import TEXT, build, reference_model, text_config, vision_tower_stub
+from published_configs import GEMMA3N_PUBLISHED, gemma3n_multimodal
 from torchgemma.config import FULL, SLIDING, ModelConfig
 from torchgemma.generation import generate
+from torchgemma.info import describe, format_report
 from torchgemma.model.layers import normal_quantile
 
 LAYOUTS = ["gemma3n_text", "gemma3n"]
@@ -173,6 +175,29 @@ def test_published_style_config_defaults():
     assert (text.laurel_rank, text.altup_num_inputs, text.hidden_size_per_layer_input) == (64, 4, 256)
 
 
+@pytest.mark.parametrize("name", list(GEMMA3N_PUBLISHED))
+def test_published_configs_read_as_transformers(name):
+    from transformers import Gemma3nTextConfig
+
+    text = GEMMA3N_PUBLISHED[name]
+    ours = ModelConfig.from_hf(gemma3n_multimodal(text)).text
+    ref = Gemma3nTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert list(ours.layer_types) == ref.layer_types
+    assert [None if s.kv_role == "own" else s.kv_role for s in ours.layers] == ref.kv_sharing_modes
+    stores = {ref.layer_types[i]: i for i, mode in enumerate(ref.kv_sharing_modes) if mode == "store"}
+    for spec in ours.layers[-ref.num_kv_shared_layers :]:
+        assert spec.kv_source == stores[spec.attention_type]  # every reuse layer reads its type's store
+    assert [s.intermediate_size for s in ours.layers] == ref.intermediate_size
+    assert [s.activation_sparsity for s in ours.layers] == ref.activation_sparsity_pattern
+    assert {t: r.theta for t, r in ours.rope.items()} == {
+        t: p["rope_theta"] for t, p in ref.rope_parameters.items()
+    }
+    assert [(v.offset, v.end, v.size) for v in ours.media_vocabularies] == [
+        (262144, 262272, 128),
+        (262272, None, 128),
+    ]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -233,3 +258,48 @@ def test_save_writes_the_checkpoint_names(checkpoints, tmp_path):
 def test_normal_quantile_is_torch_distributions(p):
     expected = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(p, dtype=torch.float32))
     assert normal_quantile(p) == expected.item()
+
+
+# transformers' own parameter counts for the published configs (Gemma3nForCausalLM: the tied head
+# counted once): what torchgemma builds and `info` reports. Google's raw counts (about 5B and 8B)
+# also hold the MobileNet-V5 and audio towers, which neither counts here.
+PUBLISHED_TEXT_TOTALS = {"e2b": 4_435_182_688, "e4b": 6_835_235_568}
+
+
+@pytest.mark.parametrize("name", list(GEMMA3N_PUBLISHED))
+def test_info_counts_the_published_configs_as_transformers(name):
+    from transformers import (
+        Gemma3nConfig,
+        Gemma3nForCausalLM,
+        Gemma3nForConditionalGeneration,
+        Gemma3nTextConfig,
+    )
+
+    text = GEMMA3N_PUBLISHED[name]
+    info = describe(ModelConfig.from_hf(text))
+    with torch.device("meta"):
+        ref = Gemma3nForCausalLM(Gemma3nTextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
+    assert info["params_total"] == sum(p.numel() for p in ref.parameters()) == PUBLISHED_TEXT_TOTALS[name]
+    layers = text["num_hidden_layers"]
+    assert info["params_ple_table"] == 262144 * layers * 256
+    assert (info["layers"], info["kv_shared_layers"]) == (layers, text["num_kv_shared_layers"])
+    assert info["towers_not_built"] == []
+
+    # The multimodal layout adds the towers' token-id embedders; the towers are named, not counted.
+    data = gemma3n_multimodal(text)
+    info = describe(ModelConfig.from_hf(data))
+    with vision_tower_stub(), torch.device("meta"):
+        ref = Gemma3nForConditionalGeneration(Gemma3nConfig.from_dict(data))
+    built = [
+        p.numel() for n, p in ref.named_parameters() if "_tower." not in n and "soft_embedding_norm" not in n
+    ]
+    assert info["params_total"] == sum(built)
+    assert info["towers_not_built"] == ["vision", "audio"]
+    assert "vision and audio towers: not built" in format_report(info)
+
+
+def test_info_kv_cache_is_what_the_cache_allocates(checkpoints):
+    config = ModelConfig.from_file(checkpoints["gemma3n"])
+    info = describe(config, context=37, batch=2, dtype=torch.float32)
+    assert info["kv_cache_bytes"] == torchgemma.load(checkpoints["gemma3n"]).make_cache(2, 37).nbytes
+    assert info["kv_cache_layers"] == {"sliding": 3, "full": 1}
