@@ -92,7 +92,8 @@ def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float =
     """A ``gemma3n`` (multimodal layout) or ``gemma3n_text`` checkpoint with every parameter random.
 
     ``embed_scale`` < 1 shrinks the token embeddings, so that greedy continuations vary (with large
-    tied embeddings every token predicts itself).
+    tied embeddings every token predicts itself). ``changes`` go to the text config; the towers'
+    vocabularies take the last 40 ids of ``vocab_size``.
     """
     from transformers import Gemma3nAudioConfig, Gemma3nConfig, Gemma3nForCausalLM, Gemma3nVisionConfig
 
@@ -100,10 +101,11 @@ def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float =
     if multimodal:
         from transformers import Gemma3nForConditionalGeneration
 
+        media = text_config(**changes).vocab_size - 40
         config = Gemma3nConfig(
             text_config=text_config(**changes).to_dict(),
-            vision_config=Gemma3nVisionConfig(**VISION).to_dict(),
-            audio_config=Gemma3nAudioConfig(**AUDIO).to_dict(),
+            vision_config=Gemma3nVisionConfig(**{**VISION, "vocab_offset": media}).to_dict(),
+            audio_config=Gemma3nAudioConfig(**{**AUDIO, "vocab_offset": media + 20}).to_dict(),
             **TOKEN_IDS,
         )
         with vision_tower_stub():
