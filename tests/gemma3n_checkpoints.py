@@ -128,3 +128,136 @@ def reference_model(folder: Path, dtype=torch.float32):
     with vision_tower_stub():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+# HF -> llama.cpp names for Gemma 3n (gguf.constants / gguf.tensor_mapping), for the test writer.
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "altup.correction_coefs.weight": "altup_correct_coef.weight",
+    "altup.correct_output_scale": "altup_correct_scale.weight",
+    "altup.prediction_coefs.weight": "altup_predict_coef.weight",
+    "altup.modality_router.weight": "altup_router.weight",
+    "altup.router_norm.weight": "altup_router_norm.weight",
+    "laurel.linear_left.weight": "laurel_l.weight",
+    "laurel.linear_right.weight": "laurel_r.weight",
+    "laurel.post_laurel_norm.weight": "laurel_post_norm.weight",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+# A GGUF-sized Gemma 3n: the fixture tokenizer's 1024 ids, widths that take block quantization,
+# a per-layer table of 1000 rows that the converter pads to the vocabulary.
+GGUF_TEXT = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=[128, 128, 256, 128, 128, 128],
+    hidden_size_per_layer_input=32,
+    vocab_size_per_layer_input=1000,
+    laurel_rank=32,
+    eos_token_id=1,
+)
+
+
+def write_gemma3n_gguf(path: Path, model, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a ``Gemma3nForCausalLM`` as llama.cpp's converter (``Gemma3NModel``) does: its metadata
+    keys, the AltUp projections stacked, the per-layer table padded with zero rows to the
+    vocabulary, ``.weight`` added to correct_output_scale, no norm shift, matrices quantized. Returns
+    HF name -> the float32 values each tensor must read back as."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+
+    from gguf_fixtures import TYPES_32, TYPES_256, _pack, _stored, _write_vocab
+
+    rng = np.random.default_rng(seed)
+    config = model.config
+    writer = GGUFWriter(str(path), "gemma3n")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_altup_active_idx(config.altup_active_idx)
+    writer.add_altup_num_inputs(config.altup_num_inputs)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    normal = torch.distributions.normal.Normal(0, 1)
+    writer.add_activation_sparsity_scale(
+        [normal.icdf(torch.tensor(p, dtype=torch.float32)).item() for p in config.activation_sparsity_pattern]
+    )
+    writer.add_sliding_window_pattern([t == SLIDING for t in config.layer_types])
+    writer.add_file_type(1)
+    _write_vocab(writer, False, None)
+
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    table = state["model.embed_tokens_per_layer.weight"]
+    state["model.embed_tokens_per_layer.weight"] = np.concatenate(
+        [table, np.zeros((config.vocab_size - table.shape[0], table.shape[1]), np.float32)]
+    )
+    stacked = {}
+    for name in ("altup_projections", "altup_unembed_projections"):
+        parts = [state.pop(f"model.{name}.{i}.weight") for i in range(config.altup_num_inputs - 1)]
+        stacked[name] = np.stack(parts)
+    expected: dict[str, torch.Tensor] = {}
+    cycle_32 = cycle_256 = 0
+    items = [(name, value, None) for name, value in state.items()]
+    items += [(name, value, "stack") for name, value in stacked.items()]
+    for name, value, kind in items:
+        if value.ndim <= 1:
+            qtype = T.F32
+        elif value.shape[-1] % 32:
+            qtype = T.F16
+        elif value.shape[-1] % 256 == 0:
+            qtype, cycle_256 = TYPES_256[cycle_256 % len(TYPES_256)], cycle_256 + 1
+        else:
+            qtype, cycle_32 = TYPES_32[cycle_32 % len(TYPES_32)], cycle_32 + 1
+        packed = _pack(value, qtype, rng)
+        stored = torch.from_numpy(_stored(packed, qtype).reshape(value.shape).copy())
+        if kind == "stack":
+            writer.add_tensor(
+                "altup_proj.weight" if name == "altup_projections" else "altup_unembd_proj.weight",
+                packed,
+                raw_dtype=qtype,
+            )
+            for i in range(value.shape[0]):
+                expected[f"model.{name}.{i}.weight"] = stored[i].clone()
+            continue
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        writer.add_tensor(gguf_name, packed, raw_dtype=qtype)
+        expected[name] = stored
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected

@@ -349,3 +349,88 @@ def test_static_decode_step_is_one_graph(checkpoints):
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+# ── GGUF (llama.cpp's gemma3n architecture) ─────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def gemma3n_gguf(tmp_path_factory):
+    """A tiny Gemma3nForCausalLM written as llama.cpp's converter writes one, and what it must read as."""
+    from transformers import Gemma3nForCausalLM
+
+    from checkpoints import randomize_
+    from gemma3n_checkpoints import GGUF_TEXT, write_gemma3n_gguf
+
+    torch.manual_seed(3)
+    model = Gemma3nForCausalLM(text_config(**GGUF_TEXT))
+    randomize_(model, 3)
+    path = tmp_path_factory.mktemp("gemma3n-gguf") / "tiny-gemma3n.gguf"
+    return path, model, write_gemma3n_gguf(path, model, seed=3)
+
+
+def _gguf_reference(path, expected):
+    """transformers' model of the file: the config read from it, the values it holds."""
+    import json
+
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    from torchgemma.weights.gguf import read_gguf
+
+    fields = json.loads(json.dumps(read_gguf(path).config))  # as a config.json would travel
+    reference = Gemma3nForCausalLM(Gemma3nTextConfig(**fields))
+    values = dict(expected)
+    reference.load_state_dict({**values, "lm_head.weight": values["model.embed_tokens.weight"]})
+    reference.set_attn_implementation("eager")
+    return reference.eval()
+
+
+def test_gguf_reads_as_the_hf_checkpoint(gemma3n_gguf):
+    from torchgemma.weights.gguf import read_gguf
+
+    path, source, expected = gemma3n_gguf
+    ckpt = read_gguf(path)
+    ours = ckpt.state_dict()
+    assert set(ours) == set(source.state_dict()) - {"lm_head.weight"} == set(expected)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    # The per-layer table comes padded with zero rows to the vocabulary, as llama.cpp reads it.
+    assert ours["model.embed_tokens_per_layer.weight"].shape[0] == 1024
+    assert not ours["model.embed_tokens_per_layer.weight"][1000:].any()
+    # Every other field rebuilds the transformers config the file was converted from.
+    ignored = {
+        "architectures",
+        "dtype",
+        "transformers_version",
+        "vocab_size_per_layer_input",
+        "tie_word_embeddings",
+    }
+    rebuilt = _gguf_reference(path, expected).config.to_dict()
+    original = source.config.to_dict()
+    assert {k: v for k, v in rebuilt.items() if k not in ignored} == {
+        k: v for k, v in original.items() if k not in ignored
+    }
+    assert ckpt.config["activation_sparsity_pattern"] == TEXT["activation_sparsity_pattern"]
+
+
+def test_gguf_loads_with_the_logits_of_its_values(gemma3n_gguf):
+    path, _, expected = gemma3n_gguf
+    reference = _gguf_reference(path, expected)
+    model = torchgemma.load(path, attention="eager")
+    assert model.config.model_type == "gemma3n_text" and model.dtype == torch.float32
+    ids = torch.randint(3, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
+    ids[:, 4], ids[1, 7] = 1001, 1023  # past the source's per-layer table (zero rows in the file)
+    with torch.no_grad():
+        ours, theirs = model(ids), reference(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    tokenizer = torchgemma.load_tokenizer(path)  # Gemma 3's SentencePiece vocabulary, as gemma3 files
+    ids = tokenizer.encode("The quick brown fox")
+    assert ids[0] == 2 and tokenizer.decode(ids[1:]) == "The quick brown fox"  # <bos> added, as gemma3
+
+
+@pytest.mark.parametrize("p", [0.95, 0.5, 0.25, 0.0])
+def test_gguf_sparsity_scale_reads_back_as_the_config_value(p):
+    from torchgemma.weights.gguf import _sparsity
+
+    quantile = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(p, dtype=torch.float32)).item()
+    assert _sparsity(quantile, "x.gguf") == p
