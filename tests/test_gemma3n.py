@@ -4,6 +4,8 @@ Both layouts: ``gemma3n_text`` (Gemma3nForCausalLM) and ``gemma3n`` (Gemma3nForC
 text only: the towers are not built, their embedders' token tables are).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -434,3 +436,33 @@ def test_gguf_sparsity_scale_reads_back_as_the_config_value(p):
 
     quantile = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(p, dtype=torch.float32)).item()
     assert _sparsity(quantile, "x.gguf") == p
+
+
+# ── the float64 NumPy reference ─────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reference_agrees_with_the_model(checkpoints, layout):
+    """torchgemma.reference (float64 NumPy formulas) against our float64 and float32 models, from
+    the checkpoint's files; with the sparse gates or AltUp's correction left out it must not."""
+    import numpy as np
+
+    from torchgemma import reference
+
+    folder = checkpoints[layout]
+    config = ModelConfig.from_file(folder).text
+    weights = reference.weights_from_checkpoint(folder)
+    ids, mask = padded_batch(seed=11)
+    real = mask.bool()
+    expected = reference.forward(weights, config, ids.numpy(), mask.numpy())
+    for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 6e-5)):
+        model = torchgemma.load(folder, dtype=dtype, attention="eager")
+        with torch.no_grad():
+            ours = model(ids, attention_mask=mask).double().numpy()
+        assert np.abs(ours - expected)[real.numpy()].max() <= tolerance, dtype
+    dense = [dataclasses.replace(spec, activation_sparsity=0.0) for spec in config.layers]
+    for wrong in (
+        dataclasses.replace(config, layers=tuple(dense)),
+        dataclasses.replace(config, altup_correct_scale=False),
+    ):
+        assert np.abs(reference.forward(weights, wrong, ids.numpy(), mask.numpy()) - expected).max() > 1e-2

@@ -59,10 +59,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def normal_quantile(p: float) -> float:
-    """The standard normal's ``p``-quantile in float32, as ``torch.distributions.Normal(0, 1).icdf``
-    computes it (the reference's code): ``erfinv(2p - 1) * sqrt(2)``."""
-    value = torch.tensor(p, dtype=torch.float32, device="cpu")  # CPU: models are built on meta
+def normal_quantile(p: float, dtype: torch.dtype = torch.float32) -> float:
+    """The standard normal's ``p``-quantile, ``erfinv(2p - 1) * sqrt(2)``, computed in ``dtype``: in
+    float32 it is ``torch.distributions.Normal(0, 1).icdf``'s value, as the reference computes it."""
+    value = torch.tensor(p, dtype=dtype, device="cpu")  # CPU: models are built on meta
     return float(torch.erfinv(2 * value - 1) * math.sqrt(2))
 
 
@@ -89,8 +89,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.activation_sparsity = activation_sparsity
         if activation_sparsity > 0:
-            # The quantile is computed in float32 and rounded to the activations' dtype.
+            # The quantile is computed in float32 and rounded to the activations' dtype (a float64
+            # model computes it in float64).
             self.std_multiplier = rounded_scales(normal_quantile(activation_sparsity))
+            self.std_multiplier[torch.float64] = normal_quantile(activation_sparsity, torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)

@@ -349,9 +349,9 @@ class AltUp(nn.Module):
         self.router_input_scale = rounded_scales(hidden**-1.0)
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) -> (B, T, N) in [-1, 1]; tanh in float32, as the reference."""
+        """(B, T, H) -> (B, T, N) in [-1, 1]; tanh in float32 as the reference (float64 stays)."""
         routed = self.modality_router(self.router_norm(x) * self.router_input_scale[x.dtype])
-        return torch.tanh(routed.float()).type_as(x)
+        return torch.tanh(routed.to(torch.promote_types(routed.dtype, torch.float32))).type_as(x)
 
     def predict(self, streams: torch.Tensor) -> torch.Tensor:
         """(N, B, T, H): each stream plus a per-token mix of all of them."""
@@ -571,11 +571,10 @@ class TextModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(hidden, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
             # H^-1/2 on the context projection and 2^-1/2 on the sum: Python floats in Gemma 4, tensors
-            # of the model dtype in Gemma 3n (2^-1/2 as float32 rsqrt(2)).
+            # of the model dtype in Gemma 3n (its float32 rsqrt(2) is float32(2^-1/2)).
             rounded = config.ple_scales_in_model_dtype
-            root_half = float(torch.rsqrt(torch.tensor(2.0, device="cpu"))) if rounded else 2.0**-0.5
             self.per_layer_context_scale = rounded_scales(hidden**-0.5, rounded)
-            self.per_layer_sum_scale = rounded_scales(root_half, rounded)
+            self.per_layer_sum_scale = rounded_scales(2.0**-0.5, rounded)
         if config.has_altup:
             # The embedding is widened into N streams, and the N streams merged back at the end.
             n = config.altup_num_inputs
