@@ -72,6 +72,27 @@ def test_logits_match_transformers(checkpoints, layout, dtype):
         assert (last - theirs[:, -1:]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sdpa_bf16_logits_match_transformers_sdpa(checkpoints, layout):
+    """The default attention on both sides: bit for bit, with and without padding and in a prompt
+    shorter than the window (where transformers' sdpa skips the sliding mask)."""
+    from transformers import AutoModelForCausalLM
+
+    with vision_tower_stub():
+        ref = AutoModelForCausalLM.from_pretrained(checkpoints[layout], dtype=torch.bfloat16).eval()
+    model = torchgemma.load(checkpoints[layout], dtype=torch.bfloat16)
+    assert model.attention == "sdpa"
+    for width, pad in ((15, 0), (15, 3), (4, 0)):
+        ids, mask = padded_batch(seed=7, width=width)
+        mask[1] = 1
+        mask[1, :pad] = 0
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        given = mask if pad else None
+        with torch.no_grad():
+            theirs = ref(input_ids=ids, attention_mask=given, position_ids=positions).logits
+            assert torch.equal(model(ids, attention_mask=given), theirs), (width, pad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_matches_transformers(gen_checkpoints, layout, dtype):
@@ -98,6 +119,28 @@ def test_greedy_matches_transformers(gen_checkpoints, layout, dtype):
         with torch.no_grad():
             theirs = ref.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
         assert torch.equal(ours, theirs), f"\nours   {ours}\ntheirs {theirs}"
+
+
+@pytest.mark.usefixtures("aten_bf16")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_logits_match_transformers(gen_checkpoints, layout):
+    """prefill and decode_step give transformers' generate() next-token logits to the bit (bf16)."""
+    from torchgemma.generation import decode_step, prefill
+
+    folder = gen_checkpoints[layout]
+    ref = reference_model(folder, torch.bfloat16)
+    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
+    ids, mask = padded_batch(seed=31, width=12)
+    with torch.no_grad():
+        out = ref.generate(
+            ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    cache = model.make_cache(2, 12 + 8)
+    logits = prefill(model, ids, mask, cache)
+    for step, expected in enumerate(out.logits):
+        assert torch.equal(logits, expected), f"step {step}: max |Δ| {(logits - expected).abs().max()}"
+        logits = decode_step(model, out.sequences[:, 12 + step], cache)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
