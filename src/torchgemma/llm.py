@@ -410,7 +410,8 @@ class LLM:
         vision = config.vision_config
         if images and vision is None:
             raise ValueError(
-                "this checkpoint has no vision tower (config.json has no vision_config): it cannot take images"
+                f"this checkpoint has no vision tower torchgemma builds ({self.model.towers_note}): "
+                "it cannot take images"
             )
         if images and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
             raise ValueError(
@@ -420,7 +421,8 @@ class LLM:
             )
         if audio and config.audio_config is None:
             raise ValueError(
-                "this checkpoint has no audio tower (config.json has no audio_config): it cannot take audio"
+                f"this checkpoint has no audio tower torchgemma builds ({self.model.towers_note}): "
+                "it cannot take audio"
             )
         try:
             tokens = MediaTokens.from_tokenizer(self.tokenizer)
