@@ -141,3 +141,94 @@ EMBEDDINGGEMMA_DENSE = {
     "3_Dense": {"in_features": 3072, "out_features": 768, "bias": False,
                 "activation_function": "torch.nn.modules.linear.Identity"},
 }  # fmt: skip
+
+# Gemma 3n (google/gemma-3n-E2B / -E4B config.json, as published: the multimodal layout, RoPE in the
+# older keys, one MLP width per layer, the first 10 layers' gates sparsified). The conversion
+# defaults of transformers' Gemma3nTextConfig are E4B's; E2B has 30 layers, MLP 8192, 10 KV-shared.
+_GEMMA3N_COMMON = dict(
+    model_type="gemma3n_text",
+    vocab_size=262400,
+    vocab_size_per_layer_input=262144,
+    hidden_size=2048,
+    hidden_size_per_layer_input=256,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh",
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    rope_scaling=None,
+    query_pre_attn_scalar=256,
+    laurel_rank=64,
+    altup_num_inputs=4,
+    altup_active_idx=0,
+    altup_coef_clip=120.0,
+    altup_correct_scale=True,
+    altup_lr_multiplier=1.0,
+    attention_bias=False,
+    attention_dropout=0.0,
+    torch_dtype="bfloat16",
+)
+
+GEMMA3N_E2B = dict(
+    _GEMMA3N_COMMON,
+    num_hidden_layers=30,
+    intermediate_size=[8192] * 30,
+    layer_types=([SLIDING] * 4 + [FULL]) * 6,
+    num_kv_shared_layers=10,
+    activation_sparsity_pattern=[0.95] * 10 + [0.0] * 20,
+)
+
+GEMMA3N_E4B = dict(
+    _GEMMA3N_COMMON,
+    num_hidden_layers=35,
+    intermediate_size=[16384] * 35,
+    layer_types=([SLIDING] * 4 + [FULL]) * 7,
+    num_kv_shared_layers=15,
+    activation_sparsity_pattern=[0.95] * 10 + [0.0] * 25,
+)
+
+GEMMA3N_PUBLISHED = {"e2b": GEMMA3N_E2B, "e4b": GEMMA3N_E4B}
+
+
+def gemma3n_multimodal(text: dict) -> dict:
+    """The same text config wrapped as the published (gemma3n) config.json wraps it."""
+    return {
+        "model_type": "gemma3n",
+        "architectures": ["Gemma3nForConditionalGeneration"],
+        "text_config": {k: v for k, v in text.items() if k != "torch_dtype"},
+        "vision_config": {
+            "model_type": "gemma3n_vision",
+            "architecture": "mobilenetv5_300m_enc",
+            "hidden_size": 2048,
+            "vocab_size": 128,
+            "vocab_offset": 262144,
+            "rms_norm_eps": 1e-6,
+        },
+        "audio_config": {
+            "model_type": "gemma3n_audio",
+            "hidden_size": 1536,
+            "vocab_size": 128,
+            "vocab_offset": 262272,
+            "rms_norm_eps": 1e-6,
+            "conf_num_hidden_layers": 12,
+            "conf_num_attention_heads": 8,
+            "input_feat_size": 128,
+            "sscp_conv_channel_size": [128, 32],
+        },
+        "audio_soft_tokens_per_image": 188,
+        "vision_soft_tokens_per_image": 256,
+        "boi_token_id": 255999,
+        "eoi_token_id": 262144,
+        "image_token_id": 262145,
+        "boa_token_id": 256000,
+        "eoa_token_id": 262272,
+        "audio_token_id": 262273,
+        "eos_token_id": [1, 106],
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }

@@ -691,7 +691,7 @@ def test_unsupported_architecture_is_rejected(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        GGUFError, match=r"llama\.gguf has architecture 'llama'; read_gguf supports gemma3, gemma4"
+        GGUFError, match=r"llama\.gguf has architecture 'llama'; read_gguf supports gemma3, gemma3n, gemma4"
     ):
         read_gguf(path)
 

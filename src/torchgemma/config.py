@@ -31,7 +31,7 @@ LayerType = Literal["sliding_attention", "full_attention"]
 # "reuse": no k/v weights and no cache; attends to its source layer's keys and values.
 KVRole = Literal["own", "store", "reuse"]
 
-SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
 SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
 # Largest accepted value of each size field, in any sub-config. Published Gemma 3/4 reach 62 layers,
@@ -65,6 +65,10 @@ MAX_SIZES: dict[str, int] = {
     "attention_chunk_size": 65_536,
     "attention_context_left": 65_536,
     "attention_context_right": 65_536,
+    "laurel_rank": 65_536,
+    "altup_num_inputs": 64,
+    "altup_active_idx": 64,
+    "vocab_offset": 2_097_152,
 }
 
 # A published config.json is a few KiB; parsing gigabytes of one would cost what MAX_SIZES guards.
@@ -224,6 +228,8 @@ class LayerSpec:
     moe: bool
     # Keys a query may see, itself included; None for full attention.
     window: int | None
+    # Gemma 3n: the fraction of MLP gate activations zeroed by a Gaussian top-k (0: dense).
+    activation_sparsity: float = 0.0
 
     @property
     def is_sliding(self) -> bool:
@@ -232,6 +238,20 @@ class LayerSpec:
     @property
     def has_kv_weights(self) -> bool:
         return self.kv_role != "reuse"
+
+
+@dataclass(frozen=True)
+class MediaVocabulary:
+    """Gemma 3n: token ids in [offset, end) (end None: every id from offset) that a tower's embedder
+    (``embed_{name}``) embeds from its own table, row ``id - offset`` of ``size`` rows of width
+    ``hidden_size``, instead of the text embedding table."""
+
+    name: str  # "vision" or "audio"
+    offset: int
+    end: int | None
+    size: int
+    hidden_size: int
+    rms_norm_eps: float
 
 
 @dataclass(frozen=True)
@@ -273,10 +293,31 @@ class TextConfig:
     use_layer_scalar: bool = True
     # Encoder-style attention (EmbeddingGemma): full layers see every key, sliding layers |q - k| < window.
     bidirectional: bool = False
+    # Gemma 3n: AltUp keeps this many copies of the residual stream; the layers compute on the
+    # `altup_active_idx` one and predict/correct the others (0: a single stream, no AltUp).
+    altup_num_inputs: int = 0
+    altup_active_idx: int = 0
+    # Gemma 3n: the corrected active stream is scaled (correct_output_scale) before the PLE gate.
+    altup_correct_scale: bool = False
+    # Gemma 3n: LAuReL, a low-rank learned residual beside attention (0: none).
+    laurel_rank: int = 0
+    # Gemma 3n keeps the PLE scales (H^-1/2 and 2^-1/2) as tensors of the model dtype; Gemma 4
+    # multiplies by Python floats.
+    ple_scales_in_model_dtype: bool = False
+    # Gemma 4 runs the KV-shared layers on the kept positions only when logits_to_keep > 0 (as
+    # transformers' generate does); transformers' Gemma 3n always runs every position.
+    trim_kv_shared_layers: bool = True
+    # Gemma 3n (model_type gemma3n): ids the vision and audio embedders embed from their own tables
+    # instead of embed_tokens, in the order they are applied.
+    media_vocabularies: tuple[MediaVocabulary, ...] = ()
 
     @property
     def has_per_layer_inputs(self) -> bool:
         return self.hidden_size_per_layer_input > 0
+
+    @property
+    def has_altup(self) -> bool:
+        return self.altup_num_inputs > 0
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -379,7 +420,8 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; torchgemma builds {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if model_type in ("gemma4", "gemma3"):
+        media: tuple[MediaVocabulary, ...] = ()
+        if model_type in ("gemma4", "gemma3", "gemma3n"):
             text_data = data.get("text_config")
             if not isinstance(text_data, dict):
                 raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
@@ -398,13 +440,21 @@ class ModelConfig:
             if model_type == "gemma3":
                 # Only Gemma 3's text model is built; its (SigLIP) vision tower is not.
                 vision, audio, token_ids = None, None, {}
+            elif model_type == "gemma3n":
+                # Gemma 3n's towers (MobileNet-V5, its own conformer) are not built; the embedders'
+                # token tables are, as text-only prompts and generated ids may use those ids.
+                media = _media_vocabularies(vision, audio)
+                vision, audio, token_ids = None, None, {}
         else:
             text_data, vision, audio, token_ids = data, None, None, {}
         dtype = data.get("dtype") or data.get("torch_dtype") or text_data.get("dtype")
         for name, sub in (("vision_config", vision), ("audio_config", audio)):
             if sub is not None and not isinstance(sub, dict):
                 raise ConfigError(f"{name} must be an object or null, got {type(sub).__name__}")
-        text = _text_config_from_hf(text_data, gemma3=model_type.startswith("gemma3"))
+        family = "gemma3n" if model_type.startswith("gemma3n") else model_type.removesuffix("_text")
+        text = _text_config_from_hf(text_data, family)
+        if media:
+            text = dataclasses.replace(text, media_vocabularies=_check_media(media, text.vocab_size))
         if model_type == "gemma3" and text.final_logit_softcapping is not None:
             # transformers 5.23's Gemma3ForConditionalGeneration never soft-caps its logits (only
             # Gemma3ForCausalLM does; published Gemma 3 configs set the cap to null): follow it.
@@ -451,7 +501,8 @@ def _quantization_from_hf(data: Any) -> dict | None:
     return {"mode": str(data.get("mode", "")), "layers": layers, "kept": kept}
 
 
-def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
+def _text_config_from_hf(data: dict, family: str = "gemma4") -> TextConfig:
+    """``family``: "gemma4", "gemma3" or "gemma3n", whose text configs are read as Gemma 4's fields."""
     missing = [key for key in REQUIRED_TEXT_FIELDS if data.get(key) is None]
     if missing:
         raise ConfigError(f"text config is missing required field(s): {', '.join(missing)}")
@@ -459,8 +510,11 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
     num_layers = _positive_int(data, "num_hidden_layers")
     _check_text_numbers(data)
     numerics: dict[str, Any] = {}
-    if gemma3:
+    per_layer: dict[str, list] = {}
+    if family == "gemma3":
         data, numerics = _gemma3_as_gemma4_fields(data)
+    elif family == "gemma3n":
+        data, numerics, per_layer = _gemma3n_as_gemma4_fields(data, num_layers)
     get = {**TEXT_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k in TEXT_DEFAULTS}}.get
 
     hidden = _positive_int(data, "hidden_size")
@@ -478,7 +532,8 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
             f"use_bidirectional_attention={bidirectional!r} is not supported (None or 'vision' are)"
         )
 
-    layer_types = _layer_types(data, num_layers, force_last_full=not gemma3)
+    # Only Gemma 4 forces a full-attention last layer.
+    layer_types = _layer_types(data, num_layers, force_last_full=family == "gemma4")
     rope = _rope_specs(data, layer_types, head_dim)
     geometry = _per_layer_geometry(data, layer_types, head_dim, num_kv_heads)
     for index, (layer_head_dim, layer_kv_heads) in enumerate(geometry):
@@ -521,6 +576,8 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
     )
 
     intermediate = _positive_int(data, "intermediate_size")
+    widths = per_layer.get("intermediate_size", [intermediate] * num_layers)
+    sparsity = per_layer.get("activation_sparsity", [0.0] * num_layers)
     double_wide = bool(get("use_double_wide_mlp"))
     k_eq_v = bool(get("attention_k_eq_v"))
     window = _positive_int({"sliding_window": get("sliding_window")}, "sliding_window")
@@ -534,9 +591,10 @@ def _text_config_from_hf(data: dict, gemma3: bool = False) -> TextConfig:
             kv_source=sources[i],
             k_eq_v=k_eq_v and layer_types[i] == FULL,
             # The double-wide MLP is only on the KV-shared layers.
-            intermediate_size=intermediate * (2 if double_wide and roles[i] == "reuse" else 1),
+            intermediate_size=widths[i] * (2 if double_wide and roles[i] == "reuse" else 1),
             moe=moe,
             window=window if layer_types[i] == SLIDING else None,
+            activation_sparsity=sparsity[i],
         )
         for i in range(num_layers)
     )
@@ -603,20 +661,9 @@ def _gemma3_as_gemma4_fields(data: dict) -> tuple[dict, dict[str, Any]]:
         d["layer_types"] = [
             FULL if (i + 1) % pattern == 0 else SLIDING for i in range(d["num_hidden_layers"])
         ]
-    rope = {k: dict(v) for k, v in (d.get("rope_parameters") or {}).items() if isinstance(v, dict)}
-    full = rope.setdefault(FULL, {"rope_type": "default"})
-    if isinstance(d.get("rope_scaling"), dict):
-        full.update(d["rope_scaling"])
-    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
-    rope.setdefault(SLIDING, {"rope_type": "default"}).setdefault(
-        "rope_theta", d.get("rope_local_base_freq", 10_000.0)
-    )
-    for params in rope.values():
-        if "type" in params and "rope_type" not in params:  # the oldest spelling
-            params["rope_type"] = params.pop("type")
     d.update(
         sliding_window=window,
-        rope_parameters=rope,
+        rope_parameters=_rope_from_older_keys(d),
         global_head_dim=d["head_dim"],
         num_global_key_value_heads=None,
         use_bidirectional_attention=None,
@@ -637,6 +684,139 @@ def _gemma3_as_gemma4_fields(data: dict) -> tuple[dict, dict[str, Any]]:
         bidirectional=bidirectional,
     )
     return d, numerics
+
+
+def _rope_from_older_keys(d: dict) -> dict:
+    """Per-type ``rope_parameters`` from Gemma 3 / 3n's older keys (``rope_theta``,
+    ``rope_local_base_freq``, ``rope_scaling``), folded as transformers folds them."""
+    rope = {k: dict(v) for k, v in (d.get("rope_parameters") or {}).items() if isinstance(v, dict)}
+    full = rope.setdefault(FULL, {"rope_type": "default"})
+    if isinstance(d.get("rope_scaling"), dict):
+        full.update(d["rope_scaling"])
+    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    rope.setdefault(SLIDING, {"rope_type": "default"}).setdefault(
+        "rope_theta", d.get("rope_local_base_freq", 10_000.0)
+    )
+    for params in rope.values():
+        if "type" in params and "rope_type" not in params:  # the oldest spelling
+            params["rope_type"] = params.pop("type")
+    return rope
+
+
+# transformers' Gemma3nTextConfig defaults, where they differ from Gemma 4's.
+GEMMA3N_DEFAULTS: dict[str, Any] = {
+    "sliding_window": 512,
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 32_768,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144,
+    "num_kv_shared_layers": 15,
+    "laurel_rank": 64,
+    "altup_num_inputs": 4,
+    "altup_active_idx": 0,
+    "altup_correct_scale": True,
+}
+
+
+def _gemma3n_as_gemma4_fields(data: dict, num_layers: int) -> tuple[dict, dict[str, Any], dict[str, list]]:
+    """A Gemma 3n text config as the fields above, the numerics in which Gemma 3n differs, and its
+    per-layer MLP widths and activation sparsities.
+
+    Gemma 3n has Gemma 4's attention (QK and V norms, scale 1), PLE and KV sharing, with one head
+    geometry and default RoPE on both layer types (its RoPE in Gemma 3's older keys); around them
+    AltUp's several residual streams and LAuReL; the first layers' MLP gates sparsified.
+    """
+    d = {**GEMMA3N_DEFAULTS, **data}
+    if d.get("layer_types") is None:
+        # transformers' default: every fifth layer is full attention (4:1).
+        d["layer_types"] = [FULL if (i + 1) % 5 == 0 else SLIDING for i in range(num_layers)]
+    widths = d["intermediate_size"]
+    if not isinstance(widths, list | tuple):
+        widths = [widths] * num_layers
+    if len(widths) != num_layers:
+        raise ConfigError(
+            f"intermediate_size has {len(widths)} entries but num_hidden_layers is {num_layers}"
+        )
+    widths = [_positive_int({"intermediate_size": w}, "intermediate_size") for w in widths]
+    sparsity = d.get("activation_sparsity_pattern")
+    if sparsity is None:
+        # transformers' default: the first 10 layers keep 5% of their gate activations.
+        sparse = 10 if num_layers > 10 else 0
+        sparsity = [0.95] * sparse + [0.0] * (num_layers - sparse)
+    if not isinstance(sparsity, list | tuple) or len(sparsity) != num_layers:
+        raise ConfigError(f"activation_sparsity_pattern must list one value per layer ({num_layers})")
+    for value in sparsity:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ConfigError(f"activation_sparsity_pattern values must be in [0, 1), got {value!r}")
+    altup = _positive_int(d, "altup_num_inputs")
+    active = _positive_int(d, "altup_active_idx", minimum=0)
+    if active >= altup:
+        raise ConfigError(f"altup_active_idx={active} is not one of the {altup} AltUp streams")
+    if not _positive_int(d, "hidden_size_per_layer_input"):
+        raise ConfigError("Gemma 3n needs hidden_size_per_layer_input > 0")
+    d.update(
+        intermediate_size=widths[0],
+        rope_parameters=_rope_from_older_keys(d),
+        global_head_dim=d["head_dim"],
+        num_global_key_value_heads=None,
+        use_bidirectional_attention=None,
+        enable_moe_block=False,
+        attention_k_eq_v=False,
+        use_double_wide_mlp=False,
+    )
+    d.pop("per_layer_config", None)
+    numerics = dict(
+        use_layer_scalar=False,
+        altup_num_inputs=altup,
+        altup_active_idx=active,
+        altup_correct_scale=bool(d["altup_correct_scale"]),
+        laurel_rank=_positive_int(d, "laurel_rank"),
+        ple_scales_in_model_dtype=True,
+        trim_kv_shared_layers=False,
+    )
+    return d, numerics, {"intermediate_size": widths, "activation_sparsity": [float(p) for p in sparsity]}
+
+
+def _media_vocabularies(vision: Any, audio: Any) -> tuple[MediaVocabulary, ...]:
+    """Gemma 3n's embedders' token tables, from its vision and audio configs (transformers' defaults:
+    vision ids from 262144, audio ids from 262272, 128 each)."""
+    out = []
+    defaults = {"vision": (262_144, 2048), "audio": (262_144 + 128, 1536)}
+    for name, sub in (("vision", vision), ("audio", audio)):
+        if sub is None:
+            sub = {}
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{name}_config must be an object or null, got {type(sub).__name__}")
+        offset, hidden = defaults[name]
+        v = {"vocab_offset": offset, "vocab_size": 128, "hidden_size": hidden, "rms_norm_eps": 1e-6}
+        v.update({k: val for k, val in sub.items() if val is not None})
+        where = f"{name}_config"
+        _check_numbers(v, {"rms_norm_eps": POSITIVE}, where)
+        out.append(
+            MediaVocabulary(
+                name=name,
+                offset=_positive_int(v, "vocab_offset", where, minimum=0),
+                end=None,
+                size=_positive_int(v, "vocab_size", where),
+                hidden_size=_positive_int(v, "hidden_size", where),
+                rms_norm_eps=float(v["rms_norm_eps"]),
+            )
+        )
+    # transformers: vision ids run up to the first audio id; audio ids are every id from there.
+    vision, audio = out
+    return (dataclasses.replace(vision, end=audio.offset), audio)
+
+
+def _check_media(media: tuple[MediaVocabulary, ...], vocab_size: int) -> tuple[MediaVocabulary, ...]:
+    """Every id a media vocabulary takes (below vocab_size) must be a row of its table."""
+    for vocab in media:
+        end = vocab_size if vocab.end is None else min(vocab.end, vocab_size)
+        if end - vocab.offset > vocab.size:
+            raise ConfigError(
+                f"{vocab.name}_config: ids {vocab.offset}..{end - 1} go to its embedder, whose table has "
+                f"only {vocab.size} rows (vocab_size)"
+            )
+    return media
 
 
 def _vision_config_from_hf(data: dict) -> VisionConfig:

@@ -192,8 +192,17 @@ def describe(
     total = count(everything)
     moe = text.num_experts is not None
     kv_layers = [s for s in text.layers if s.kv_role != "reuse"]
+    # Towers config.json describes that torchgemma does not build (Gemma 3's SigLIP, Gemma 3n's
+    # MobileNet-V5 and conformer): not counted.
+    source = config.source or {}
+    unbuilt = [
+        name
+        for name in ("vision", "audio")
+        if source.get(f"{name}_config") and getattr(config, f"{name}_config") is None
+    ]
     return {
         "model_type": config.model_type,
+        "towers_not_built": unbuilt,
         "layers": text.num_hidden_layers,
         "sliding_layers": sum(s.is_sliding for s in text.layers),
         "full_layers": sum(not s.is_sliding for s in text.layers),
@@ -243,6 +252,11 @@ def format_report(info: dict) -> str:
     ]
     for name, count in info["params_by_tower"].items():
         lines.append(f"  {name:<20} {n(count):>12}")
+    if info["towers_not_built"]:
+        towers = " and ".join(info["towers_not_built"])
+        lines.append(
+            f"  (the {towers} tower{'s' if len(info['towers_not_built']) > 1 else ''}: not built, not counted)"
+        )
     if info["params_ple_table"]:
         lines.append(
             f"  per-layer embeddings {n(info['params_ple_table']):>12}  (a lookup table; can live off the accelerator)"

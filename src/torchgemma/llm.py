@@ -476,7 +476,8 @@ class LLM:
         visual = "images" if images else "videos" if videos else None
         if visual and vision is None:
             raise ValueError(
-                f"this checkpoint has no vision tower (config.json has no vision_config): it cannot take {visual}"
+                f"this checkpoint has no vision tower torchgemma builds ({self.model.towers_note}): "
+                f"it cannot take {visual}"
             )
         if visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
             raise ValueError(
@@ -486,7 +487,8 @@ class LLM:
             )
         if audio and config.audio_config is None:
             raise ValueError(
-                "this checkpoint has no audio tower (config.json has no audio_config): it cannot take audio"
+                f"this checkpoint has no audio tower torchgemma builds ({self.model.towers_note}): "
+                "it cannot take audio"
             )
         try:
             tokens = MediaTokens.from_tokenizer(self.tokenizer)

@@ -9,6 +9,10 @@
                  x ← x · layer_scalar
     logits = cap · tanh(E·rms(x) / cap)
 
+Gemma 3n keeps N copies of the stream (AltUp): each layer predicts every copy from all of them,
+runs the block above on one (LAuReL beside its attention, sparse MLP gates in the first layers),
+corrects the copies by what it changed and adds the per-layer input to the others.
+
 One small function per block, each docstring its formula, composed by ``forward`` over a
 checkpoint's weights. It shares no code with ``torchgemma.model`` and uses torch only to read
 weights: it takes only the facts of ``TextConfig`` and its ``LayerSpec`` records (layer type, head
@@ -16,7 +20,8 @@ geometry, KV source, MLP width, MoE), so a disagreement with the torch model poi
 two. Everything is float64 with no rounding to a model dtype, so it is also the yardstick for how far
 a float32 or bf16 run drifts. Gemma 3 text models (``(1 + w)`` norms, ``query_pre_attn_scalar``,
 linear RoPE, no V-norm, no layer scalar, bidirectional encoders) run through the same functions, as
-config data. The formulas are those of transformers 5.23 (``models/gemma4/modeling_gemma4.py``).
+config data, and so does Gemma 3n's text decoder. The formulas are those of transformers 5.23
+(``models/gemma4/modeling_gemma4.py``, ``models/gemma3n/modeling_gemma3n.py``).
 
 Weights are a dict ``name -> float64 array`` under the ``gemma4`` checkpoint's names
 (``model.language_model.layers.3.self_attn.q_proj.weight``; an untied head is ``lm_head.weight``):
@@ -32,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -48,6 +54,10 @@ TEXT_MODULES = (
     "per_layer_projection_norm.",
     "layers.",
     "norm.",
+    "altup_projections.",
+    "altup_unembed_projections.",
+    "embed_vision.",
+    "embed_audio.",
 )
 
 Array = np.ndarray
@@ -78,9 +88,20 @@ def linear(x: Array, weight: Array) -> Array:
     return x @ weight.T
 
 
-def geglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
-    """The gated MLP: ``W_down · (gelu_tanh(W_gate · x) ⊙ (W_up · x))``."""
-    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
+def gaussian_topk(x: Array, sparsity: float) -> Array:
+    """``relu(x − (μ + σ · Φ⁻¹(p)))`` over the last axis (μ, σ its mean and population std): of
+    normally distributed values, keeps the top ``1 − p``, less the cutoff (Gemma 3n's sparse gates)."""
+    mean, std = np.mean(x, axis=-1, keepdims=True), np.std(x, axis=-1, keepdims=True)
+    return np.maximum(x - (mean + std * NormalDist().inv_cdf(sparsity)), 0.0)
+
+
+def geglu(x: Array, gate: Array, up: Array, down: Array, sparsity: float = 0.0) -> Array:
+    """The gated MLP: ``W_down · (gelu_tanh(W_gate · x) ⊙ (W_up · x))``; with ``sparsity`` p > 0
+    (Gemma 3n) the gate's activations go through ``gaussian_topk`` before the GELU."""
+    gated = linear(x, gate)
+    if sparsity > 0:
+        gated = gaussian_topk(gated, sparsity)
+    return linear(gelu_tanh(gated) * linear(x, up), down)
 
 
 def soft_cap(x: Array, cap: float | None) -> Array:
@@ -257,7 +278,7 @@ def per_layer_inputs(
     returns the modules' outputs by name (the table rows, the projection, the normed projection).
     """
     shape = (*input_ids.shape, config.num_hidden_layers, config.hidden_size_per_layer_input)
-    rows = table[input_ids]  # (B, T, L·P)
+    rows = table[np.where(input_ids < len(table), input_ids, 0)]  # (B, T, L·P); ids past the table: row 0
     projected = linear(embeds, projection)
     context = rms_norm((projected * config.hidden_size**-0.5).reshape(shape), norm, config.rms_norm_eps)
     ple = (context + rows.reshape(shape) * config.hidden_size_per_layer_input**0.5) * 2.0**-0.5
@@ -267,6 +288,56 @@ def per_layer_inputs(
         "per_layer_projection_norm": context,
     }
     return ple, modules
+
+
+# ── AltUp and LAuReL (Gemma 3n) ─────────────────────────────────────────────────────────────────
+
+
+def rescaled(x: Array, target: Array) -> Array:
+    """``x`` scaled to the RMS ``target`` (B, T, 1): ``x · target / sqrt(max(mean(x²), 1e-5))``."""
+    return x * target / np.sqrt(np.maximum(np.mean(x * x, axis=-1, keepdims=True), 1e-5))
+
+
+def altup_streams(x: Array, projections: list[Array]) -> Array:
+    """(N, B, T, H): ``s_0 = x`` and ``s_i = W_i x`` rescaled to x's RMS, ``i = 1 … N−1``."""
+    target = np.sqrt(np.mean(x * x, axis=-1, keepdims=True))
+    return np.stack([x] + [rescaled(linear(x, w), target) for w in projections])
+
+
+def altup_merge(streams: Array, projections: list[Array]) -> Array:
+    """(B, T, H): the mean of ``s_0`` and of ``W'_i s_i`` rescaled to the RMS of ``s_0``."""
+    target = np.sqrt(np.mean(streams[0] ** 2, axis=-1, keepdims=True))
+    merged = [streams[0]] + [rescaled(linear(s, w), target) for s, w in zip(streams[1:], projections)]
+    return np.mean(np.stack(merged), axis=0)
+
+
+def altup_route(x: Array, norm: Array, router: Array, eps: float) -> Array:
+    """(B, T, N) per-token coefficients' inputs: ``tanh(W_router · rms(x) / H)``."""
+    return np.tanh(linear(rms_norm(x, norm, eps) / x.shape[-1], router))
+
+
+def altup_predict(streams: Array, active: int, w: Callable[[str], Array], eps: float) -> Array:
+    """``p_i = s_i + Σ_j C[i, j] s_j``, ``C`` = (N, N) per token from ``W_pred · route(s_active)``,
+    row-major (``C[i, j]`` is output ``i·N + j``)."""
+    n = streams.shape[0]
+    route = altup_route(streams[active], w("router_norm.weight"), w("modality_router.weight"), eps)
+    coefs = linear(route, w("prediction_coefs.weight")).reshape(*route.shape[:-1], n, n)
+    return streams + np.einsum("btij,jbth->ibth", coefs, streams)
+
+
+def altup_correct(
+    predictions: Array, activated: Array, active: int, w: Callable[[str], Array], eps: float
+) -> Array:
+    """``c_i = p_i + (1 + K_i) (a − p_active)``, ``K = W_corr · route(a)`` per token, ``a`` the
+    active stream after the layer."""
+    route = altup_route(activated, w("router_norm.weight"), w("modality_router.weight"), eps)
+    gains = linear(route, w("correction_coefs.weight")) + 1.0  # (B, T, N)
+    return predictions + np.moveaxis(gains, -1, 0)[..., None] * (activated - predictions[active])
+
+
+def laurel(x: Array, left: Array, right: Array, norm: Array, eps: float) -> Array:
+    """``x + rms(W_r · W_l · x)``: a residual through a rank-r bottleneck."""
+    return x + rms_norm(linear(linear(x, left), right), norm, eps)
 
 
 # ── decoder layer ───────────────────────────────────────────────────────────────────────────────
@@ -292,15 +363,26 @@ def decoder_layer(
     routed on the stream itself (transformers; Google's JAX code routes on ``pre_ffw(x)``).
     ``x ← x + post_ple(W_proj · (gelu_tanh(W_gate · x) ⊙ ple_ℓ))`` with per-layer inputs (E2B/E4B).
     ``x ← x · layer_scalar`` (Gemma 4): the whole stream, after everything else.
+
+    Gemma 3n (AltUp): ``x`` is the N streams (N, B, T, H). ``p = predict(x)``, the block runs on
+    ``a = p_active`` with ``a ← (a + post_attn(attention(input(a))) + laurel(input(a))) / √2``
+    for the attention step; then ``c = correct(p, a)`` and ``c_i += post_ple(W_proj ·
+    (gelu_tanh(W_gate · (c_active ⊙ s)) ⊙ ple_ℓ))`` for ``i ≥ 1`` (``s`` correct_output_scale).
     """
     eps, plus_one = config.rms_norm_eps, config.norm_plus_one
 
     def norm(name: str, value: Array) -> Array:
         return keep(name, rms_norm(value, w(f"{name}.weight"), eps, plus_one))
 
+    if config.has_altup:
+        altup_weights, active = _prefixed(w, "altup."), config.altup_active_idx
+        predictions = altup_predict(x, active, altup_weights, eps)
+        x = predictions[active]
+
     attn_weights, attn_keep = _prefixed(w, "self_attn."), _prefixed(keep, "self_attn.")
+    normed = norm("input_layernorm", x)
     attn = self_attention(
-        norm("input_layernorm", x),
+        normed,
         attn_weights,
         spec,
         config,
@@ -311,9 +393,18 @@ def decoder_layer(
         attn_keep,
     )
     x = x + norm("post_attention_layernorm", keep("self_attn", attn))
+    if config.laurel_rank:
+        residual = laurel(
+            normed,
+            w("laurel.linear_left.weight"),
+            w("laurel.linear_right.weight"),
+            w("laurel.post_laurel_norm.weight"),
+            eps,
+        )
+        x = (x + keep("laurel", residual)) / np.sqrt(2.0)
 
     mlp_weights = (w(f"mlp.{name}_proj.weight") for name in ("gate", "up", "down"))
-    mlp = keep("mlp", geglu(norm("pre_feedforward_layernorm", x), *mlp_weights))
+    mlp = keep("mlp", geglu(norm("pre_feedforward_layernorm", x), *mlp_weights, spec.activation_sparsity))
     if spec.moe:
         flat = x.reshape(-1, x.shape[-1])  # (N, H), N = B·T
         scales = w("router.scale"), w("router.per_expert_scale")
@@ -324,13 +415,21 @@ def decoder_layer(
         mlp = norm("post_feedforward_layernorm_1", mlp) + moe
     x = x + norm("post_feedforward_layernorm", mlp)
 
-    if per_layer_input is not None:
+    def per_layer_update(x: Array) -> Array:
         gate = keep("per_layer_input_gate", linear(x, w("per_layer_input_gate.weight")))
         projected = keep(
             "per_layer_projection",
             linear(gelu_tanh(gate) * per_layer_input, w("per_layer_projection.weight")),
         )
-        x = x + norm("post_per_layer_input_norm", projected)
+        return norm("post_per_layer_input_norm", projected)
+
+    if config.has_altup:
+        corrected = altup_correct(predictions, x, active, altup_weights, eps)
+        scale = w("altup.correct_output_scale") if config.altup_correct_scale else 1.0
+        corrected[1:] += per_layer_update(corrected[active] * scale)
+        return corrected
+    if per_layer_input is not None:
+        x = x + per_layer_update(x)
     return x * w("layer_scalar") if config.use_layer_scalar else x
 
 
@@ -340,6 +439,16 @@ def decoder_layer(
 def embed(input_ids: Array, table: Array) -> Array:
     """``x = E[id] · √H``: the token's row of the embedding table (V, H), scaled by ``√H``."""
     return table[input_ids] * table.shape[1] ** 0.5
+
+
+def embed_media_ids(x: Array, input_ids: Array, vocab: Any, w: Callable[[str], Array]) -> Array:
+    """Gemma 3n: ids in ``[offset, end)`` embed as ``rms(W_proj · rms(T[id − offset], w_hard))``
+    (the last norm without a weight), from the tower embedder's own table ``T``, not ``E``."""
+    mine = (input_ids >= vocab.offset) & (input_ids < (np.inf if vocab.end is None else vocab.end))
+    rows = w("embedding.weight")[np.where(mine, input_ids - vocab.offset, 0)]
+    hard = rms_norm(rows, w("hard_embedding_norm.weight"), vocab.rms_norm_eps)
+    media = rms_norm(linear(hard, w("embedding_projection.weight")), eps=vocab.rms_norm_eps)
+    return np.where(mine[..., None], media, x)
 
 
 def token_positions(valid: Array) -> Array:
@@ -380,6 +489,8 @@ def forward(
     table = w(PREFIX + "embed_tokens.weight")
     keep("embed_tokens", table[input_ids])
     x = embed(input_ids, table)
+    for vocab in config.media_vocabularies:
+        x = embed_media_ids(x, input_ids, vocab, _prefixed(w, f"{PREFIX}embed_{vocab.name}."))
     per_layer = None
     if config.has_per_layer_inputs:
         per_layer, modules = per_layer_inputs(
@@ -403,6 +514,9 @@ def forward(
                 valid, spec.window, sliding_blocks, config.bidirectional
             )
 
+    if config.has_altup:
+        projections = range(config.altup_num_inputs - 1)
+        x = altup_streams(x, [w(f"{PREFIX}altup_projections.{i}.weight") for i in projections])
     shared_kv: dict[int, tuple[Array, Array]] = {}
     for spec in config.layers:
         name = f"layers.{spec.index}"
@@ -420,6 +534,8 @@ def forward(
         )
         keep(name, x)
 
+    if config.has_altup:
+        x = altup_merge(x, [w(f"{PREFIX}altup_unembed_projections.{i}.weight") for i in projections])
     # The final norm, the output projection (the embedding table unless untied), the soft-cap.
     x = keep("norm", rms_norm(x, w(PREFIX + "norm.weight"), config.rms_norm_eps, config.norm_plus_one))
     output = table if config.tie_word_embeddings else w("lm_head.weight")

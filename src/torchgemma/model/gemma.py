@@ -45,6 +45,13 @@ class Gemma(nn.Module):
             )
 
     @property
+    def towers_note(self) -> str:
+        """Why a tower is missing: config.json has none, or torchgemma does not build it."""
+        if self.config.model_type in ("gemma3", "gemma3n"):
+            return f"torchgemma builds only the text model of model_type {self.config.model_type!r}"
+        return "config.json describes none"
+
+    @property
     def device(self) -> torch.device:
         return self.language_model.norm.weight.device
 
@@ -90,7 +97,7 @@ class Gemma(nn.Module):
     def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
         if self.config.vision_config is None:
-            raise ValueError("this checkpoint has no vision tower (config.json has no vision_config)")
+            raise ValueError(f"this checkpoint has no vision tower torchgemma builds ({self.towers_note})")
         if position_ids is None:
             raise ValueError(
                 "pixel values need their patch positions (image_position_ids / video_position_ids)"
@@ -101,7 +108,7 @@ class Gemma(nn.Module):
     def audio_features(self, input_features: torch.Tensor, input_features_mask: torch.Tensor) -> torch.Tensor:
         """Log-mel features (B, T, F) and frame mask (B, T) -> the valid frames' soft tokens (n, H)."""
         if self.config.audio_config is None:
-            raise ValueError("this checkpoint has no audio tower (config.json has no audio_config)")
+            raise ValueError(f"this checkpoint has no audio tower torchgemma builds ({self.towers_note})")
         frames, valid = self.audio_tower(input_features.to(self.device), input_features_mask.to(self.device))
         # Projected over the whole padded batch, then the valid frames kept, as the reference.
         return self.embed_audio(frames)[valid]
@@ -191,7 +198,9 @@ class Gemma(nn.Module):
         if self.config.model_type != "gemma4":
             given = [name for name, value in media.items() if value is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} given, but a text-only checkpoint has no towers")
+                raise ValueError(
+                    f"{', '.join(given)} given, but this checkpoint has no towers ({self.towers_note})"
+                )
             return self.language_model(
                 input_ids, attention_mask, cache, keep_last=logits_to_keep, slots=slots
             )

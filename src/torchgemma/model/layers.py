@@ -6,6 +6,8 @@ in another order differs in the last bit, and bf16 parity is bit-for-bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,21 +42,63 @@ class RMSNorm(nn.Module):
         return normed.type_as(x)
 
 
+def rounded_scales(value: float, rounded: bool = True) -> dict[torch.dtype, float]:
+    """``value`` rounded to each float dtype: the reference keeps such scales as tensors of the
+    model's dtype (``rounded=False``: a Python float, the same for every dtype). Computed once, so
+    a forward pass reads a constant (no tensor-to-float sync)."""
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if not rounded:
+        return dict.fromkeys(dtypes, float(value))
+    # On the CPU explicitly: models are built under a meta-device context.
+    scales = {dtype: float(torch.tensor(value, device="cpu").to(dtype)) for dtype in dtypes}
+    scales[torch.float64] = float(value)  # a float64 model keeps the exact value
+    return scales
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-class GatedMLP(nn.Module):
-    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``."""
+def normal_quantile(p: float, dtype: torch.dtype = torch.float32) -> float:
+    """The standard normal's ``p``-quantile, ``erfinv(2p - 1) * sqrt(2)``, computed in ``dtype``: in
+    float32 it is ``torch.distributions.Normal(0, 1).icdf``'s value, as the reference computes it."""
+    value = torch.tensor(p, dtype=dtype, device="cpu")  # CPU: models are built on meta
+    return float(torch.erfinv(2 * value - 1) * math.sqrt(2))
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+
+def gaussian_topk(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """Keep what exceeds mean + ``multiplier`` std (over the last dimension), less that cutoff:
+    of normally distributed values, the top ``1 - p`` for ``multiplier`` the p-quantile. In the
+    activations' dtype (mean, std and cutoff included), as the reference."""
+    mean = torch.mean(x, dim=-1, keepdim=True)
+    std = torch.std(x, dim=-1, keepdim=True, unbiased=False)
+    return F.relu(x - (mean + std * multiplier))
+
+
+class GatedMLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``.
+
+    ``activation_sparsity`` p > 0 (Gemma 3n's first layers): the gate keeps only its activations
+    above the p-quantile of a normal fit to them (``gaussian_topk``) before the GELU.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation_sparsity: float = 0.0):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.activation_sparsity = activation_sparsity
+        if activation_sparsity > 0:
+            # The quantile is computed in float32 and rounded to the activations' dtype (a float64
+            # model computes it in float64).
+            self.std_multiplier = rounded_scales(normal_quantile(activation_sparsity))
+            self.std_multiplier[torch.float64] = normal_quantile(activation_sparsity, torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        if self.activation_sparsity > 0:
+            gate = gaussian_topk(gate, self.std_multiplier[gate.dtype])
+        return self.down_proj(gelu_tanh(gate) * self.up_proj(x))
 
 
 def eager_attention(

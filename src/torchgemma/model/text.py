@@ -1,4 +1,4 @@
-"""The Gemma 4 text decoder, in reading order.
+"""The Gemma 4 text decoder, in reading order; Gemma 3 and Gemma 3n are configs of the same decoder.
 
     token ids ─ embed_tokens·√H ─┬──────────────────────────────────────────────┐
                                  │ (E2B/E4B) per-layer inputs: token table + context projection
@@ -9,9 +9,16 @@
                      x · layer_scalar
     final norm ─ tied LM head ─ tanh soft-cap ─ logits
 
-Per-layer differences (sliding/full geometry, KV role, MLP width, MoE) come from ``LayerSpec``.
-Every numerics choice mirrors transformers 5.23 (``models/gemma4/modeling_gemma4.py``) so that bf16
-logits agree to the bit with its eager attention and eager experts.
+Gemma 3n wraps the same layer in AltUp: the embedding is widened into several residual streams
+(``altup_projections``); each layer predicts every stream from all of them, computes on one (the
+active stream; LAuReL's low-rank residual beside its attention, the first layers' MLP gates
+sparsified), corrects every stream by what that computation changed, and feeds the per-layer
+input into the other streams; at the end the streams are projected back and averaged.
+
+Per-layer differences (sliding/full geometry, KV role, MLP width and sparsity, MoE) come from
+``LayerSpec``. Every numerics choice mirrors transformers 5.23 (``models/gemma4/modeling_gemma4.py``,
+``models/gemma3n/modeling_gemma3n.py``) so that bf16 logits agree to the bit with its eager
+attention and eager experts.
 
 A forward call first lays out what its queries see (``TextModel.layout``: positions, RoPE tables,
 one mask per attention type, where the cache puts the tokens), then runs the stack on that layout.
@@ -19,6 +26,7 @@ one mask per attention type, where the cache puts the tokens), then runs the sta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,8 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import CacheStep, FullLayerCache, KVCache, SlidingLayerCache
-from ..config import LayerSpec, RopeSpec, TextConfig
-from .layers import GatedMLP, RMSNorm, apply_rope, eager_attention, gelu_tanh, rope_cos_sin
+from ..config import LayerSpec, MediaVocabulary, RopeSpec, TextConfig
+from .layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    eager_attention,
+    gelu_tanh,
+    rope_cos_sin,
+    rounded_scales,
+)
 
 ATTENTION_BACKENDS = ("eager", "sdpa")
 
@@ -51,14 +67,34 @@ def _embedding(rows: int, dim: int) -> Embedding:
     return Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
-def rounded_scales(value: float) -> dict[torch.dtype, float]:
-    """``value`` rounded to each float dtype: the reference keeps embedding scales as tensors of the
-    weight dtype. Computed once, so a forward pass reads a constant (no tensor-to-float sync)."""
-    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    # On the CPU explicitly: models are built under a meta-device context.
-    scales = {dtype: float(torch.tensor(value, device="cpu").to(dtype)) for dtype in dtypes}
-    scales[torch.float64] = float(value)  # a float64 model keeps the exact value
-    return scales
+class MediaTokenEmbedder(nn.Module):
+    """Gemma 3n: the ids of a tower's own vocabulary, embedded from the tower embedder's table:
+    ``post_norm(projection(hard_norm(embedding[id - offset])))``, the last norm without a scale.
+
+    Checkpoint prefix ``model.embed_vision.`` / ``model.embed_audio.``; the towers' soft tokens
+    (``soft_embedding_norm``) are not used, as the towers are not built.
+    """
+
+    def __init__(self, vocab: MediaVocabulary, text_hidden_size: int):
+        super().__init__()
+        self.vocab = vocab
+        self.embedding = _embedding(vocab.size, vocab.hidden_size)
+        self.hard_embedding_norm = RMSNorm(vocab.hidden_size, vocab.rms_norm_eps)
+        self.embedding_projection = nn.Linear(vocab.hidden_size, text_hidden_size, bias=False)
+        self.embedding_post_projection_norm = RMSNorm(text_hidden_size, vocab.rms_norm_eps, with_scale=False)
+
+    def forward(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """``embeds`` (B, T, H) with the rows of this vocabulary's ids replaced by its embeddings."""
+        vocab = self.vocab
+        mine = input_ids >= vocab.offset
+        if vocab.end is not None:
+            mine &= input_ids < vocab.end
+        # Every position is embedded (others as the table's last row), then selected, as the
+        # reference: a row's bits can depend on how many rows share the projection.
+        rows = torch.where(mine, input_ids - vocab.offset, vocab.size - 1)
+        x = self.embedding_projection(self.hard_embedding_norm(self.embedding(rows)))
+        x = self.embedding_post_projection_norm(x).to(embeds.dtype)
+        return torch.where(mine[..., None], x, embeds)
 
 
 # ── attention ───────────────────────────────────────────────────────────────────────────────────
@@ -289,6 +325,69 @@ class Experts(nn.Module):
         return out
 
 
+# ── AltUp and LAuReL (Gemma 3n) ────────────────────────────────────────────────────────────────
+
+
+class AltUp(nn.Module):
+    """Alternating updates: N residual streams (N, B, T, H), of which a layer computes on one.
+
+    ``predict`` mixes the streams into each stream's prediction with coefficients a router picks
+    per token from the active stream; ``correct`` adds to each prediction the active stream's
+    innovation (what the layer changed), weighted per token. The reference clips the coefficient
+    weights (altup_coef_clip) only while training.
+    """
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        n, hidden = config.altup_num_inputs, config.hidden_size
+        self.active = config.altup_active_idx
+        self.correct_output_scale = nn.Parameter(torch.zeros(hidden))
+        self.correction_coefs = nn.Linear(n, n, bias=False)
+        self.prediction_coefs = nn.Linear(n, n * n, bias=False)
+        self.modality_router = nn.Linear(hidden, n, bias=False)
+        self.router_norm = text_norm(config, hidden)
+        self.router_input_scale = rounded_scales(hidden**-1.0)
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) -> (B, T, N) in [-1, 1]; tanh in float32 as the reference (float64 stays)."""
+        routed = self.modality_router(self.router_norm(x) * self.router_input_scale[x.dtype])
+        return torch.tanh(routed.to(torch.promote_types(routed.dtype, torch.float32))).type_as(x)
+
+    def predict(self, streams: torch.Tensor) -> torch.Tensor:
+        """(N, B, T, H): each stream plus a per-token mix of all of them."""
+        n = streams.shape[0]
+        modalities = self.route(streams[self.active])
+        # coefs[b, t, j, i]: how much stream j contributes to stream i's prediction.
+        coefs = self.prediction_coefs(modalities).reshape(*modalities.shape[:-1], n, n).permute(0, 1, 3, 2)
+        predictions = torch.matmul(streams.permute(1, 2, 3, 0), coefs).permute(3, 0, 1, 2)
+        predictions += streams
+        return predictions.contiguous()
+
+    def correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+        """(N, B, T, H): each prediction plus the active stream's innovation, weighted per token."""
+        n = predictions.shape[0]
+        modalities = self.route(activated)
+        innovation = (activated - predictions[self.active]).repeat(n, 1, 1, 1)
+        coefs = self.correction_coefs(modalities) + 1.0
+        corrected = torch.mul(innovation, coefs.permute(2, 0, 1).unsqueeze(-1))  # coefs (N, B, T, 1)
+        corrected += predictions
+        return corrected.contiguous()
+
+
+class Laurel(nn.Module):
+    """Learned augmented residual layer: ``x + norm(right(left(x)))`` through a rank-r bottleneck."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        hidden, rank = config.hidden_size, config.laurel_rank
+        self.linear_left = nn.Linear(hidden, rank, bias=False)
+        self.linear_right = nn.Linear(rank, hidden, bias=False)
+        self.post_laurel_norm = text_norm(config, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
+
+
 # ── decoder layer ─────────────────────────────────────────────────────────────────────────────
 
 
@@ -301,7 +400,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, spec, attention)
         self.post_attention_layernorm = text_norm(config, hidden)
         self.pre_feedforward_layernorm = text_norm(config, hidden)
-        self.mlp = GatedMLP(hidden, spec.intermediate_size)
+        self.mlp = GatedMLP(hidden, spec.intermediate_size, spec.activation_sparsity)
         self.post_feedforward_layernorm = text_norm(config, hidden)
         if spec.moe:
             # The dense MLP above runs beside the experts; each branch has its own norms.
@@ -318,6 +417,9 @@ class DecoderLayer(nn.Module):
         # Gemma 4: multiplies the whole residual stream at the end of the layer; loaded from the checkpoint.
         if config.use_layer_scalar:
             self.register_buffer("layer_scalar", torch.ones(1))
+        self.altup = AltUp(config) if config.has_altup else None
+        self.altup_correct_scale = config.altup_correct_scale
+        self.laurel = Laurel(config) if config.laurel_rank else None
 
     def forward(
         self,
@@ -328,8 +430,18 @@ class DecoderLayer(nn.Module):
         cache: FullLayerCache | SlidingLayerCache | None,
         step: CacheStep | None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), inputs, shared_kv, cache, step)
-        x = x + self.post_attention_layernorm(attn)
+        """x (B, T, H) -> (B, T, H); with AltUp the streams, (N, B, T, H) -> (N, B, T, H)."""
+        if self.altup is not None:
+            streams = self.altup.predict(x)
+            x = streams[self.altup.active]
+
+        normed = self.input_layernorm(x)
+        attn = self.post_attention_layernorm(self.self_attn(normed, inputs, shared_kv, cache, step))
+        if self.laurel is not None:
+            # LAuReL's residual joins attention's, and the sum is scaled back by 1/√2.
+            x = (x + attn + self.laurel(normed)) / math.sqrt(2)
+        else:
+            x = x + attn
 
         residual = x
         ffw = self.mlp(self.pre_feedforward_layernorm(residual))
@@ -344,10 +456,22 @@ class DecoderLayer(nn.Module):
             )
         x = residual + self.post_feedforward_layernorm(ffw)
 
+        if self.altup is not None:
+            streams = self.altup.correct(streams, x)
+            active = streams[self.altup.active].clone()
+            if self.altup_correct_scale:
+                active = active * self.altup.correct_output_scale
+            # The per-layer input reaches the streams from 1 on (the reference's indices), not x.
+            streams[1:] += self.per_layer_update(active, per_layer_input)
+            return streams
         if per_layer_input is not None:
-            gate = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+            x = x + self.per_layer_update(x, per_layer_input)
         return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
+
+    def per_layer_update(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """PLE: this layer's per-layer input (B, T, P), gated by x and projected to (B, T, H)."""
+        gate = gelu_tanh(self.per_layer_input_gate(x)) * per_layer_input
+        return self.post_per_layer_input_norm(self.per_layer_projection(gate))
 
 
 # ── masks and rotary tables ──────────────────────────────────────────────────────────────────
@@ -434,15 +558,32 @@ class TextModel(nn.Module):
                 f"unknown attention backend {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
             )
         self.config = config
-        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = rounded_scales(config.hidden_size**0.5)
+        hidden = config.hidden_size
+        self.embed_tokens = _embedding(config.vocab_size, hidden)
+        self.embed_scale = rounded_scales(hidden**0.5)
+        for vocab in config.media_vocabularies:
+            self.add_module(f"embed_{vocab.name}", MediaTokenEmbedder(vocab, hidden))
         if config.has_per_layer_inputs:
             n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
             # One packed table: row = [layer 0's P values | layer 1's | ...].
             self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * p)
             self.per_layer_embed_scale = rounded_scales(p**0.5)
-            self.per_layer_model_projection = nn.Linear(config.hidden_size, n * p, bias=False)
+            self.per_layer_model_projection = nn.Linear(hidden, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
+            # H^-1/2 on the context projection and 2^-1/2 on the sum: Python floats in Gemma 4, tensors
+            # of the model dtype in Gemma 3n (its float32 rsqrt(2) is float32(2^-1/2)).
+            rounded = config.ple_scales_in_model_dtype
+            self.per_layer_context_scale = rounded_scales(hidden**-0.5, rounded)
+            self.per_layer_sum_scale = rounded_scales(2.0**-0.5, rounded)
+        if config.has_altup:
+            # The embedding is widened into N streams, and the N streams merged back at the end.
+            n = config.altup_num_inputs
+            self.altup_projections = nn.ModuleList(
+                nn.Linear(hidden, hidden, bias=False) for _ in range(n - 1)
+            )
+            self.altup_unembed_projections = nn.ModuleList(
+                nn.Linear(hidden, hidden, bias=False) for _ in range(n - 1)
+            )
         self.layers = nn.ModuleList(DecoderLayer(config, spec, attention) for spec in config.layers)
         self.norm = text_norm(config, config.hidden_size)
         if not config.tie_word_embeddings:
@@ -470,17 +611,43 @@ class TextModel(nn.Module):
     # ── embeddings and head ──────────────────────────────────────────────────────────────────
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale[self.dtype]
+        x = self.embed_tokens(input_ids) * self.embed_scale[self.dtype]
+        for vocab in self.config.media_vocabularies:  # Gemma 3n: the towers' token ids
+            x = getattr(self, f"embed_{vocab.name}")(input_ids, x)
+        return x
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """(B, T, L, P): the token's own per-layer vector plus a projection of its context embedding."""
         cfg = self.config
         shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         table = self.embed_tokens_per_layer
+        # Ids beyond the table (Gemma 3n's media ids) read row 0, as in the reference.
+        input_ids = torch.where(input_ids < table.num_embeddings, input_ids, 0)
         token_part = table(input_ids) * self.per_layer_embed_scale[self.dtype]
-        context = self.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
+        context = self.per_layer_model_projection(embeds) * self.per_layer_context_scale[self.dtype]
         context = self.per_layer_projection_norm(context.reshape(shape))
-        return (context + token_part.reshape(shape)) * 2.0**-0.5
+        return (context + token_part.reshape(shape)) * self.per_layer_sum_scale[self.dtype]
+
+    def altup_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) -> AltUp's (N, B, T, H): x, and its projections rescaled to x's RMS."""
+        target = torch.mean(x**2, dim=-1, keepdim=True) ** 0.5
+        streams = [x]
+        for projection in self.altup_projections:
+            y = projection(x)
+            rms = torch.sqrt(torch.mean(y**2, dim=-1, keepdim=True).clamp(min=1e-5))
+            streams.append(y * target / rms)
+        return torch.stack(streams)
+
+    def altup_merge(self, streams: torch.Tensor) -> torch.Tensor:
+        """(N, B, T, H) -> (B, T, H): the mean of stream 0 and the others' projections back,
+        each rescaled to stream 0's RMS."""
+        target = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
+        merged = [streams[0]]
+        for stream, projection in zip(streams[1:], self.altup_unembed_projections):
+            y = projection(stream)
+            rms = torch.sqrt(torch.mean(y**2, dim=-1, keepdim=True).clamp(min=1e-5))
+            merged.append(y * target / rms)
+        return torch.mean(torch.stack(merged), dim=0)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head (tied to the embeddings unless the checkpoint has its own), soft-cap."""
@@ -571,15 +738,19 @@ class TextModel(nn.Module):
         cfg = self.config
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.has_per_layer_inputs else None
+        if cfg.has_altup:
+            x = self.altup_streams(x)  # (N, B, T, H)
         # KV-shared layers write no cache: only the kept positions need to go through them. Without
         # a mask the kept queries must be one (a causal block's last query sees every key).
-        trim = 0 < keep_last < x.shape[1] and (
-            keep_last == 1 or all(inputs.mask is not None for inputs in layout.values())
+        trim = (
+            cfg.trim_kv_shared_layers
+            and 0 < keep_last < x.shape[-2]
+            and (keep_last == 1 or all(inputs.mask is not None for inputs in layout.values()))
         )
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for spec, layer in zip(cfg.layers, self.layers):
             if trim and spec.index == cfg.first_kv_shared_layer:
-                x = x[:, -keep_last:]
+                x = x[..., -keep_last:, :]
                 per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -keep_last:]
                 layout = {t: inputs.last(keep_last) for t, inputs in layout.items()}
             x = layer(
@@ -590,6 +761,8 @@ class TextModel(nn.Module):
                 None if cache is None else cache.layers[spec.index],
                 step,
             )
+        if cfg.has_altup:
+            x = self.altup_merge(x)
         x = x if keep_last <= 0 else x[:, -keep_last:]
         return self.head(x) if head else self.norm(x)
 

@@ -79,6 +79,8 @@ def quantizable(model: nn.Module) -> Iterator[tuple[str, nn.Module | nn.Paramete
     for name, module in text.named_modules():
         if name.endswith("router.proj"):
             continue  # routing decides which experts run: kept in high precision
+        if ".altup." in name:
+            continue  # Gemma 3n's AltUp router and stream-mixing coefficients: tiny, kept as they are
         if type(module) is nn.Linear or isinstance(module, nn.Embedding):
             yield prefix + name, module
         elif isinstance(module, Experts):

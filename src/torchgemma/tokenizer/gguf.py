@@ -51,7 +51,7 @@ _CACHE_VERSION = 1
 # llama.cpp token types (gguf.TokenType); BYTE tokens (<0x0A>) are plain vocabulary for byte fallback.
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 # Architectures whose SentencePiece vocabulary transformers reads the Gemma way.
-_GEMMA_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")
+_GEMMA_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "gemma3n")
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def tokenizer_from_metadata(
     else:
         raise GGUFError(
             f"{source}: tokenizer model {model!r} for architecture {arch!r} is not a Gemma vocabulary "
-            f"(expected 'llama' with gemma/gemma2/gemma3, or 'gemma4')"
+            f"(expected 'llama' with gemma/gemma2/gemma3/gemma3n, or 'gemma4')"
         )
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
 

@@ -47,7 +47,7 @@ __all__ = [
     "read_gguf_metadata",
 ]
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "gemma4")
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma3n", "gemma4")
 
 _T = GGMLQuantizationType
 # Types whose dequantization is checked bit for bit against ggml's reference loops (tests/test_gguf.py).
@@ -385,6 +385,9 @@ _ARCH_KEY_KINDS = {
     "expert_count": ("int", 0),
     "expert_used_count": ("int", 0),
     "expert_feed_forward_length": ("per-layer int", 0),
+    "altup.num_inputs": ("int", 1),
+    "altup.active_idx": ("int", 0),
+    "activation_sparsity_scale": ("numbers", None),
 }
 _TYPE_NAMES = {str: "string", int: "integer", float: "float", bool: "bool", list: "array"}
 
@@ -795,6 +798,27 @@ _GEMMA4_LAYER_NAMES = {
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
 }
+# Gemma 3n: PLE as Gemma 4's, AltUp and LAuReL (gguf.constants: the gemma3n tensors). The converter
+# adds ".weight" to correct_output_scale's name.
+_GEMMA3N_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "altup_correct_coef.weight": "altup.correction_coefs.weight",
+    "altup_correct_scale.weight": "altup.correct_output_scale",
+    "altup_predict_coef.weight": "altup.prediction_coefs.weight",
+    "altup_router.weight": "altup.modality_router.weight",
+    "altup_router_norm.weight": "altup.router_norm.weight",
+    "laurel_l.weight": "laurel.linear_left.weight",
+    "laurel_r.weight": "laurel.linear_right.weight",
+    "laurel_post_norm.weight": "laurel.post_laurel_norm.weight",
+}
+# Gemma 3n's N - 1 AltUp projections (HF: a module list), stacked by the converter into one tensor.
+_STACKED = {
+    "altup_proj.weight": "altup_projections",
+    "altup_unembd_proj.weight": "altup_unembed_projections",
+}
 # Converters that keep gate and up experts apart write these two; they are concatenated on dim 1.
 _SPLIT_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 
@@ -821,6 +845,7 @@ class _Entry:
     hf_name: str
     sources: tuple[str, ...]  # several: concatenated along dim 1 (split gate/up experts)
     shift_norm: bool = False  # Gemma 3 RMSNorm weights are stored as 1 + w
+    part: int | None = None  # one matrix of a stacked source (Gemma 3n's AltUp projections)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -845,7 +870,9 @@ class GGUFCheckpoint:
         _check_layers(file, self.architecture)  # before anything is built per layer
         for info in self._gguf.values():
             file.check(info)
-        build = _gemma3_config if self.architecture == "gemma3" else _gemma4_config
+        build = {"gemma3": _gemma3_config, "gemma3n": _gemma3n_config, "gemma4": _gemma4_config}[
+            self.architecture
+        ]
         self.config = build(file)
         self._entries, self.skipped = _plan(self.architecture, self.config, self._gguf, file.name)
         self._by_name = {e.hf_name: e for e in self._entries}
@@ -860,7 +887,9 @@ class GGUFCheckpoint:
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
         """The Hugging Face shape of one tensor, without reading it."""
-        return _hf_shape([self._gguf[s] for s in self._entry(hf_name).sources])
+        entry = self._entry(hf_name)
+        shape = _hf_shape([self._gguf[s] for s in entry.sources])
+        return shape if entry.part is None else shape[1:]
 
     def gguf_types(self) -> dict[str, str]:
         """The GGML type each Hugging Face tensor is stored in (e.g. ``{"model.norm.weight": "F32"}``)."""
@@ -875,7 +904,12 @@ class GGUFCheckpoint:
         not in ``INT_TYPES``, or it needs a conversion (split experts, Gemma 3's shifted norms)."""
         entry = self._entry(hf_name)
         info = self._gguf[entry.sources[0]]
-        if len(entry.sources) != 1 or entry.shift_norm or len(info.shape) not in (2, 3):
+        if (
+            len(entry.sources) != 1
+            or entry.shift_norm
+            or entry.part is not None
+            or len(info.shape) not in (2, 3)
+        ):
             return None
         return INT_TYPES.get(info.qtype)
 
@@ -921,6 +955,10 @@ class GGUFCheckpoint:
             # float32, where the converter added it, before any cast.
             (info,) = parts
             tensor = (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
+        elif entry.part is not None:
+            # A stacked source: dequantized whole (in float32, then cast), one matrix kept.
+            (info,) = parts
+            tensor = dequantize(self._file.raw(info), info.qtype, info.shape)[entry.part].to(dtype)
         else:
             values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
             tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
@@ -963,11 +1001,11 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Open a Gemma 3 or Gemma 4 GGUF file (memory-mapped) as a Hugging Face style checkpoint.
+    """Open a Gemma 3, Gemma 3n or Gemma 4 GGUF file (memory-mapped) as a Hugging Face style checkpoint.
 
     Raises ``GGUFError`` (a ``ValueError``) naming the file and the problem for a file that is not a
     GGUF, is truncated, uses an unknown or unsupported quantization type, has an architecture other
-    than gemma3/gemma4, or whose tensors disagree with its metadata.
+    than gemma3/gemma3n/gemma4, or whose tensors disagree with its metadata.
     """
     file = _GGUFFile(Path(path))
     arch = file.metadata.get("general.architecture")
@@ -1017,8 +1055,8 @@ def _hf_shape(parts: list[_TensorInfo]) -> tuple[int, ...]:
 def _plan(
     arch: str, config: dict, gguf: Mapping[str, _TensorInfo], fname: str
 ) -> tuple[list[_Entry], list[str]]:
-    layer_names = _GEMMA4_LAYER_NAMES if arch == "gemma4" else _LAYER_NAMES
-    global_names = _GEMMA4_GLOBAL_NAMES if arch == "gemma4" else _GLOBAL_NAMES
+    layer_names = {"gemma4": _GEMMA4_LAYER_NAMES, "gemma3n": _GEMMA3N_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    global_names = _GLOBAL_NAMES if arch == "gemma3" else _GEMMA4_GLOBAL_NAMES
     # Gemma 3's RMSNorm computes x * (1 + w) and llama.cpp stores 1 + w; Gemma 4's uses w directly
     # and its converter adds nothing (norm_shift 0).
     shift = arch == "gemma3"
@@ -1034,6 +1072,10 @@ def _plan(
             continue
         if name == "output.weight":
             entries.append(_Entry("lm_head.weight", (name,)))
+            continue
+        if name in _STACKED and arch == "gemma3n":
+            for part in range(gguf[name].shape[0]):
+                entries.append(_Entry(f"model.{_STACKED[name]}.{part}.weight", (name,), part=part))
             continue
         if name in global_names:
             hf = global_names[name]
@@ -1328,6 +1370,76 @@ def _gemma4_config(file: _GGUFFile) -> dict[str, Any]:
     return config
 
 
+def _gemma3n_config(file: _GGUFFile) -> dict[str, Any]:
+    gguf, fname = file.tensors, file.name
+    meta = _Meta(file.metadata, "gemma3n", fname)
+    config = _common(meta, gguf, "gemma3n_text", "Gemma3nForCausalLM")
+    n_layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    # llama.cpp (load_hparams, GEMMA3N): one bool per layer (or a period, 5 by default: four
+    # sliding layers, then a full one), attention scale 1, local RoPE base 10000.
+    swa = _swa_layers(meta, n_layers, 5)
+    ff = meta.need("feed_forward_length")
+    shared = meta.get("attention.shared_kv_layers")
+    if shared is None:
+        # llama.cpp's loader fixes the layers that compute their own K/V at the first 20.
+        shared = max(n_layers - 20, 0)
+    ple_table = gguf.get("per_layer_token_embd.weight")
+    laurel = gguf.get("blk.0.laurel_l.weight")
+    config.update(
+        intermediate_size=ff if isinstance(ff, list) else [ff] * n_layers,
+        num_key_value_heads=meta.uniform("attention.head_count_kv", heads),
+        head_dim=meta.get("attention.key_length", config["hidden_size"] // heads),
+        max_position_embeddings=meta.get("context_length", 32768),
+        sliding_window=meta.need("attention.sliding_window"),
+        layer_types=_layer_types(swa),
+        rope_parameters={
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": meta.get("rope.freq_base_swa", 10000.0),
+            },
+            "full_attention": {"rope_type": "default", "rope_theta": meta.get("rope.freq_base", 1000000.0)},
+        },
+        final_logit_softcapping=meta.get("final_logit_softcapping"),
+        hidden_size_per_layer_input=meta.need("embedding_length_per_layer_input"),
+        # The converter pads the per-layer table with zero rows up to the vocabulary (the towers'
+        # ids): those ids read zeros, as in llama.cpp.
+        vocab_size_per_layer_input=ple_table.shape[0] if ple_table is not None else 262144,
+        num_kv_shared_layers=shared,
+        altup_num_inputs=meta.get("altup.num_inputs", 4),
+        altup_active_idx=meta.get("altup.active_idx", 0),
+        altup_correct_scale=True,  # llama.cpp always scales
+        laurel_rank=laurel.shape[0] if laurel is not None else 64,
+    )
+    scales = meta.get("activation_sparsity_scale")
+    if scales is not None:
+        if len(scales) != n_layers:
+            raise GGUFError(
+                f"{fname}: activation_sparsity_scale has {len(scales)} entries for {n_layers} layers"
+            )
+        config["activation_sparsity_pattern"] = [_sparsity(m, fname) for m in scales]
+    return config
+
+
+def _sparsity(multiplier: float, fname: str) -> float:
+    """The sparsity p whose float32 normal quantile is ``multiplier``: the converter writes
+    icdf(p) (-inf for 0), transformers' config holds p. The shortest decimal that gives back the
+    same float32 quantile, as the config.json value it was computed from."""
+    from ..model.layers import normal_quantile
+
+    if multiplier == -math.inf:
+        return 0.0
+    target = float(np.float32(multiplier))
+    p = 0.5 * math.erfc(-multiplier / math.sqrt(2))
+    candidates = [round(p, digits) for digits in range(1, 10)]
+    candidates += [float(np.nextafter(np.float32(p), np.float32(d * np.inf))) for d in (-1, 1)]
+    for candidate in [*candidates, p]:
+        if 0 < candidate < 1 and normal_quantile(candidate) == target:
+            return candidate
+    raise GGUFError(
+        f"{fname}: activation_sparsity_scale {multiplier} is no float32 normal quantile of a sparsity"
+    )
+
+
 def _gemma4_eos(metadata: Mapping[str, Any], eos: int) -> list[int]:
     """Gemma 4 stops on <eos>, <turn|> and <|tool_response>; GGUF states one eos id.
 
@@ -1359,11 +1471,16 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     if not config["tie_word_embeddings"]:
         out["lm_head.weight"] = (V, H)
     gemma4 = config["model_type"] == "gemma4_text"
-    P = config.get("hidden_size_per_layer_input", 0) if gemma4 else 0
+    gemma3n = config["model_type"] == "gemma3n_text"
+    P = config.get("hidden_size_per_layer_input", 0) if gemma4 or gemma3n else 0
     if P:
         out["model.embed_tokens_per_layer.weight"] = (config["vocab_size_per_layer_input"], L * P)
         out["model.per_layer_model_projection.weight"] = (L * P, H)
         out["model.per_layer_projection_norm.weight"] = (P,)
+    if gemma3n:
+        for part in range(config["altup_num_inputs"] - 1):
+            out[f"model.altup_projections.{part}.weight"] = (H, H)
+            out[f"model.altup_unembed_projections.{part}.weight"] = (H, H)
     first_shared = L - config.get("num_kv_shared_layers", 0)
     for i, kind in enumerate(config["layer_types"]):
         full = kind == "full_attention"
@@ -1372,7 +1489,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             d = config["global_head_dim"]
             if config["attention_k_eq_v"] and config["num_global_key_value_heads"] is not None:
                 kv = config["num_global_key_value_heads"]
-        inter = config["intermediate_size"]
+        inter = config["intermediate_size"][i] if gemma3n else config["intermediate_size"]
         if gemma4 and config["use_double_wide_mlp"] and i >= first_shared:
             inter *= 2
         p = f"model.layers.{i}."
@@ -1396,6 +1513,21 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.k_norm.weight"] = (d,)
             if not (gemma4 and full and config["attention_k_eq_v"]):
                 out[p + "self_attn.v_proj.weight"] = (kv * d, H)
+        if gemma3n:
+            N, R = config["altup_num_inputs"], config["laurel_rank"]
+            out.update({
+                p + "per_layer_input_gate.weight": (P, H),
+                p + "per_layer_projection.weight": (H, P),
+                p + "post_per_layer_input_norm.weight": (H,),
+                p + "altup.correction_coefs.weight": (N, N),
+                p + "altup.correct_output_scale": (H,),
+                p + "altup.prediction_coefs.weight": (N * N, N),
+                p + "altup.modality_router.weight": (N, H),
+                p + "altup.router_norm.weight": (H,),
+                p + "laurel.linear_left.weight": (R, H),
+                p + "laurel.linear_right.weight": (H, R),
+                p + "laurel.post_laurel_norm.weight": (H,),
+            })  # fmt: skip
         if not gemma4:
             continue
         out[p + "layer_scalar"] = (1,)

@@ -307,6 +307,8 @@ def check_tensor_table(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
 
 
 SHARED_KV_PARAMS = ("k_proj", "v_proj", "k_norm", "v_norm")
+# *ForCausalLM checkpoints: the text model's tensors are model.*, not model.language_model.*.
+TEXT_ONLY_TYPES = ("gemma4_text", "gemma3_text", "gemma3n_text")
 
 
 def sanitize(name: str, config: ModelConfig) -> str | None:
@@ -316,7 +318,7 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = "language_model." + name[len("model.language_model.") :]
     elif name.startswith("language_model.model."):  # gemma3 multimodal checkpoints, as published
         name = "language_model." + name[len("language_model.model.") :]
-    elif name.startswith("model.") and config.model_type in ("gemma4_text", "gemma3_text"):  # *ForCausalLM
+    elif name.startswith("model.") and config.model_type in TEXT_ONLY_TYPES:  # *ForCausalLM
         name = "language_model." + name[len("model.") :]
     elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
         name = name[len("model.") :]
@@ -325,6 +327,11 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = "language_model." + name
     if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
         return None  # Gemma 3: only the text model is built
+    if config.model_type == "gemma3n":
+        if name.startswith(("vision_tower.", "audio_tower.")) or name.endswith(".soft_embedding_norm.weight"):
+            return None  # Gemma 3n: the towers, and their soft tokens' norm, are not built
+        if name.startswith(("embed_vision.", "embed_audio.")):
+            return "language_model." + name  # the towers' token ids are embedded by the text model
     if name == "lm_head.weight":
         # Tied to embed_tokens (some exports write the copy anyway); else the text model's own head.
         return None if text.tie_word_embeddings else "language_model.lm_head.weight"

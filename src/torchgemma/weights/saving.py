@@ -34,8 +34,12 @@ SIDE_FILES = (
 def checkpoint_name(module_path: str, model_type: str) -> str:
     """The checkpoint tensor name of a module path (``language_model.norm.weight``), as published:
     ``model.`` + the path, except that ``*ForCausalLM`` text checkpoints drop ``language_model.``."""
-    if model_type in ("gemma4_text", "gemma3_text"):
+    if model_type in ("gemma4_text", "gemma3_text", "gemma3n_text"):
         return "model." + module_path.removeprefix("language_model.")
+    if model_type == "gemma3n" and module_path.startswith(
+        ("language_model.embed_vision.", "language_model.embed_audio.")
+    ):
+        return "model." + module_path.removeprefix("language_model.")  # Gemma 3n's media-token embedders
     return "model." + module_path
 
 
