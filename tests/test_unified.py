@@ -1,0 +1,168 @@
+"""Gemma 4 12B "unified" (gemma4_unified): parity with transformers 5.23 on tiny random checkpoints.
+
+Text-only logits (fp32 to 1e-5, bf16 to the bit) and greedy generation of the text decoder, then
+logits with images (transformers' own image processor) and raw-audio frames in the prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchgemma
+from checkpoints import COMMON, STYLES, TINY_TOKEN_IDS, randomize_
+from test_parity import assert_match, padded_batch, reference_logits
+from torchgemma.config import ModelConfig
+from torchgemma.generation import generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+# Decoder styles: the 12B's own (K=V full layers, one global KV head, 5:1) and one with KV sharing
+# and the double-wide MLP, which Gemma4UnifiedTextConfig also accepts.
+UNIFIED_STYLES = {
+    "12b": {k: v for k, v in STYLES["31b"].items() if k != "hidden_size_per_layer_input"},
+    "kv-shared": dict(
+        num_hidden_layers=8,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+    ),
+}
+# 4 px patches merged 2x2: 8 px model patches of 192 values; output_proj_dims must equal mm_embed_dim.
+TINY_UNIFIED_VISION = dict(
+    patch_size=4, pooling_kernel_size=2, mm_embed_dim=40, mm_posemb_size=16, output_proj_dims=40
+)
+TINY_UNIFIED_AUDIO = dict(audio_embed_dim=24)
+
+
+def unified_text_config(style: str):
+    from transformers import Gemma4UnifiedTextConfig
+
+    return Gemma4UnifiedTextConfig(**COMMON, **UNIFIED_STYLES[style])
+
+
+def build_unified_checkpoint(folder, style: str, *, seed: int, text_only: bool = False, embed_scale=1.0):
+    """``gemma4_unified_text`` (Gemma4UnifiedForCausalLM) or ``gemma4_unified`` with both embedders."""
+    from transformers import (
+        Gemma4UnifiedAudioConfig,
+        Gemma4UnifiedConfig,
+        Gemma4UnifiedForCausalLM,
+        Gemma4UnifiedForConditionalGeneration,
+        Gemma4UnifiedVisionConfig,
+    )
+
+    torch.manual_seed(seed)
+    if text_only:
+        model = Gemma4UnifiedForCausalLM(unified_text_config(style))
+        table = model.model.embed_tokens
+    else:
+        config = Gemma4UnifiedConfig(
+            text_config=unified_text_config(style).to_dict(),
+            vision_config=Gemma4UnifiedVisionConfig(**TINY_UNIFIED_VISION).to_dict(),
+            audio_config=Gemma4UnifiedAudioConfig(**TINY_UNIFIED_AUDIO).to_dict(),
+            **TINY_TOKEN_IDS,
+        )
+        model = Gemma4UnifiedForConditionalGeneration(config)
+        table = model.model.language_model.embed_tokens
+    randomize_(model, seed)  # LayerNorm biases and the position table included
+    with torch.no_grad():
+        table.weight.mul_(embed_scale)
+    model.save_pretrained(folder)
+    return folder
+
+
+def reference(folder, dtype):
+    from transformers import AutoModelForCausalLM, Gemma4UnifiedForConditionalGeneration
+
+    cls = AutoModelForCausalLM
+    if 'gemma4_unified"' in (folder / "config.json").read_text().replace(" ", ""):
+        cls = Gemma4UnifiedForConditionalGeneration
+    return cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def unified_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("unified")
+    folders = {}
+    for i, style in enumerate(UNIFIED_STYLES):
+        folders[style, "text"] = build_unified_checkpoint(
+            root / f"{style}-text", style, seed=40 + i, text_only=True
+        )
+        folders[style, "mm"] = build_unified_checkpoint(root / f"{style}-mm", style, seed=50 + i)
+    return folders
+
+
+def test_config_reads_unified(unified_checkpoints):
+    config = ModelConfig.from_file(unified_checkpoints["12b", "mm"])
+    assert config.model_type == "gemma4_unified"
+    text = config.text
+    assert not text.has_per_layer_inputs and not text.enable_moe_block
+    assert text.use_bidirectional_attention == "vision" and text.vision_block_layers == "all"
+    assert [layer.k_eq_v for layer in text.layers] == [False] * 5 + [True]
+    assert (text.layers[5].head_dim, text.layers[5].num_kv_heads) == (32, 1)
+    assert config.unified_vision.model_patch_size == 8 and config.unified_vision.mm_embed_dim == 40
+    assert config.unified_audio.audio_embed_dim == 24
+    assert config.vision_config is None and config.audio_config is None
+    assert config.token_ids["image_token_id"] == TINY_TOKEN_IDS["image_token_id"]
+    # Gemma4UnifiedTextConfig's own defaults where the json is silent.
+    bare = ModelConfig.from_hf(
+        {
+            "model_type": "gemma4_unified_text",
+            **{k: v for k, v in COMMON.items() if k != "sliding_window"},
+            "num_hidden_layers": 6,
+            "num_key_value_heads": 2,
+            "final_logit_softcapping": None,
+        }
+    )
+    assert bare.text.sliding_window == 1024 and bare.text.final_logit_softcapping is None
+    assert bare.text.use_bidirectional_attention == "vision"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["text", "mm"])
+@pytest.mark.parametrize("style", list(UNIFIED_STYLES))
+def test_text_logits_match_transformers(unified_checkpoints, style, layout, dtype):
+    folder = unified_checkpoints[style, layout]
+    ref = reference(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    ids, mask = padded_batch(seed=7)
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask)
+        ours_unpadded = model(ids[:1])
+        theirs_unpadded = ref(input_ids=ids[:1]).logits
+    assert_match(ours, reference_logits(ref, ids, mask), dtype)
+    assert_match(ours_unpadded, theirs_unpadded, dtype)
+
+
+@pytest.fixture(scope="module")
+def unified_gen_checkpoints(tmp_path_factory):
+    """Small embeddings, so that greedy continuations vary (see conftest.gen_checkpoints)."""
+    root = tmp_path_factory.mktemp("unified-gen")
+    return {
+        style: build_unified_checkpoint(
+            root / style, style, seed=60 + 2 * i, text_only=True, embed_scale=0.05
+        )
+        for i, style in enumerate(UNIFIED_STYLES)
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", list(UNIFIED_STYLES))
+def test_greedy_matches_transformers(unified_gen_checkpoints, style, dtype):
+    from test_generation import NEW, WIDTH, padded_prompts
+
+    folder = unified_gen_checkpoints[style]
+    ref = reference(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    ids, mask = padded_prompts(seed=70)
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0, stop_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None
+        )
+    assert torch.equal(ours, theirs), f"\nours   {ours[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
+    assert all(len(set(row)) >= 5 for row in ours[:, WIDTH:].tolist()), "degenerate continuation"
