@@ -166,3 +166,52 @@ def test_greedy_matches_transformers(unified_gen_checkpoints, style, dtype):
         )
     assert torch.equal(ours, theirs), f"\nours   {ours[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
     assert all(len(set(row)) >= 5 for row in ours[:, WIDTH:].tolist()), "degenerate continuation"
+
+
+# The 12B's text config as third-party copies of the hub config.json give it (reference notes §6.2:
+# 48 layers, width 3840, MLP 15360, 16 heads, 8 KV heads, 1 global KV head, head_dim 256/512, K=V,
+# window 1024); transformers' Gemma4UnifiedTextConfig defaults (2304 wide, 30 layers) are not the
+# 12B's. Layer pattern: the default 5:1. Vision and audio: the sub-configs' own defaults.
+UNIFIED_12B_TEXT = dict(
+    vocab_size=262144,
+    hidden_size=3840,
+    intermediate_size=15360,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=1,
+    head_dim=256,
+    global_head_dim=512,
+    attention_k_eq_v=True,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    use_bidirectional_attention="vision",
+    max_position_embeddings=262144,
+)
+
+
+def test_12b_parameter_count_matches_transformers():
+    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+
+    from torchgemma.info import describe
+
+    data = {
+        "model_type": "gemma4_unified",
+        "text_config": dict(UNIFIED_12B_TEXT, model_type="gemma4_unified_text"),
+        "vision_config": {"model_type": "gemma4_unified_vision"},
+        "audio_config": {"model_type": "gemma4_unified_audio"},
+        "tie_word_embeddings": True,
+        "dtype": "bfloat16",
+    }
+    info = describe(ModelConfig.from_hf(data))
+    with torch.device("meta"):
+        ref = Gemma4UnifiedForConditionalGeneration(
+            Gemma4UnifiedConfig(text_config=UNIFIED_12B_TEXT, vision_config={}, audio_config={})
+        )
+    by_tower = {"language_model": 0, "vision": 0, "audio": 0}
+    for name, p in ref.named_parameters():  # the tied head is listed once, under the embeddings
+        tower = "vision" if "embed_vision" in name else "audio" if "embed_audio" in name else "language_model"
+        by_tower[tower] += p.numel()
+    assert info["params_by_tower"] == by_tower
+    assert info["params_total"] == sum(by_tower.values()) == 11_959_730_176
+    assert (info["sliding_layers"], info["full_layers"]) == (40, 8)
