@@ -215,3 +215,102 @@ def test_12b_parameter_count_matches_transformers():
     assert info["params_by_tower"] == by_tower
     assert info["params_total"] == sum(by_tower.values()) == 11_959_730_176
     assert (info["sliding_layers"], info["full_layers"]) == (40, 8)
+
+
+def media_prompt(seed: int, image_tokens: list[int], audio_tokens: int, length: int = 40):
+    """(1, T) ids: text, then each image as boi + placeholders + eoi, then boa + audio + eoa, text;
+    and transformers' mm_token_type_ids for it (1 image, 3 audio, 0 text)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [int(t) for t in torch.randint(3, 250, (6,), generator=gen)]
+    types = [0] * len(ids)
+    t = TINY_TOKEN_IDS
+    for n in image_tokens:
+        ids += [t["boi_token_id"]] + [t["image_token_id"]] * n + [t["eoi_token_id"]]
+        types += [0] + [1] * n + [0]
+    if audio_tokens:
+        ids += [t["boa_token_id"]] + [t["audio_token_id"]] * audio_tokens + [t["eoa_token_index"]]
+        types += [0] + [3] * audio_tokens + [0]
+    tail = [int(x) for x in torch.randint(3, 250, (max(length - len(ids), 4),), generator=gen)]
+    return torch.tensor([ids + tail]), torch.tensor([types + [0] * len(tail)])
+
+
+def reference_image_functions():
+    """transformers' gemma4_unified patchify and merge functions. Their module imports torchvision
+    (for the resize alone), which this environment lacks: a stub stands in for it at import time."""
+    import importlib
+    import sys
+    import types
+
+    name = "transformers.models.gemma4_unified.image_processing_gemma4_unified"
+    if name not in sys.modules and importlib.util.find_spec("torchvision") is None:
+        stubs = {}
+        for module in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2"):
+            stubs[module] = types.ModuleType(module)
+        functional = types.ModuleType("functional")
+        functional.InterpolationMode = object  # only read in an annotation
+        stubs["torchvision.transforms.v2"].functional = functional
+        saved = {k: sys.modules.get(k) for k in stubs}
+        sys.modules.update(stubs)
+        try:
+            module = importlib.import_module(name)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+    else:
+        module = importlib.import_module(name)
+    return module
+
+
+def tiny_images(max_soft_tokens: int = 70):
+    """Two images of different sizes and aspect ratios in transformers' layout: its processor's
+    steps after the resize (sizes already multiples of the 8 px model patch), by its own functions
+    (rescale to [0, 1], patchify, merge 2x2, pad to max_soft_tokens with (-1, -1) positions)."""
+    ref = reference_image_functions()
+    gen = torch.Generator().manual_seed(5)
+    pixels, positions, counts = [], [], []
+    for height, width in ((32, 48), (56, 24)):
+        image = torch.randint(0, 256, (3, height, width), generator=gen).float() / 255
+        patches = ref.convert_image_to_patches(image, 4)
+        grid = torch.meshgrid(torch.arange(width // 4), torch.arange(height // 4), indexing="xy")
+        where = torch.stack(grid, dim=-1).reshape(patches.shape[0], 2)
+        merged, merged_where = ref.patches_merge(patches[None], where[None], patches.shape[0] // 4)
+        counts.append(merged.shape[1])
+        merged, merged_where = ref.pad_along_first_dim(merged[0], merged_where[0], max_soft_tokens)
+        pixels.append(merged)
+        positions.append(merged_where)
+    return torch.stack(pixels), torch.stack(positions), counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", list(UNIFIED_STYLES))
+def test_media_logits_match_transformers(unified_checkpoints, style, dtype):
+    """Images (bidirectional blocks on every layer) and raw audio frames in the prompt."""
+    folder = unified_checkpoints[style, "mm"]
+    ref = reference(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    pixels, positions, counts = tiny_images()
+    assert all(n < 70 for n in counts)
+    gen = torch.Generator().manual_seed(8)
+    features = torch.randn(2, 7, TINY_UNIFIED_AUDIO["audio_embed_dim"], generator=gen)
+    features_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    ids, types = media_prompt(seed=3, image_tokens=counts, audio_tokens=11)
+    inputs = dict(
+        pixel_values=pixels,
+        image_position_ids=positions,
+        input_features=features,
+        input_features_mask=features_mask,
+        mm_token_type_ids=types,
+    )
+    with torch.no_grad():
+        theirs = ref(input_ids=ids, **inputs).logits
+        ours = model(ids, **inputs)
+        text_only = ref(input_ids=ids).logits
+    assert_match(ours, theirs, dtype)
+    # The media really change the logits (and the blocks the mask): not a vacuous comparison.
+    assert not torch.equal(theirs, text_only)
+    with torch.no_grad():
+        causal = ref(input_ids=ids, **{k: v for k, v in inputs.items() if k != "mm_token_type_ids"}).logits
+    assert not torch.equal(theirs, causal)
