@@ -314,3 +314,33 @@ def test_media_logits_match_transformers(unified_checkpoints, style, dtype):
     with torch.no_grad():
         causal = ref(input_ids=ids, **{k: v for k, v in inputs.items() if k != "mm_token_type_ids"}).logits
     assert not torch.equal(theirs, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", list(UNIFIED_STYLES))
+def test_greedy_with_media_matches_transformers(tmp_path, style, dtype):
+    """Prefill through the cache with image blocks on every layer (full layers' keys included),
+    then decoding without them, as transformers' generate() does with its default cache."""
+    from test_generation import NEW
+
+    folder = build_unified_checkpoint(tmp_path / style, style, seed=80, embed_scale=0.05)
+    ref = reference(folder, dtype)
+    model = torchgemma.load(folder, dtype=dtype, attention="eager")
+    pixels, positions, counts = tiny_images()
+    gen = torch.Generator().manual_seed(9)
+    features = torch.randn(1, 6, TINY_UNIFIED_AUDIO["audio_embed_dim"], generator=gen)
+    features_mask = torch.tensor([[True] * 5 + [False]])
+    ids, types = media_prompt(seed=4, image_tokens=counts, audio_tokens=5)
+    inputs = dict(
+        pixel_values=pixels,
+        image_position_ids=positions,
+        input_features=features,
+        input_features_mask=features_mask,
+        mm_token_type_ids=types,
+    )
+    ours = generate(model, ids, max_new_tokens=NEW, temperature=0, stop_token_ids=[], **inputs)
+    with torch.no_grad():
+        theirs = ref.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, **inputs)
+    width = ids.shape[1]
+    assert torch.equal(ours, theirs), f"\nours   {ours[:, width:]}\ntheirs {theirs[:, width:]}"
+    assert len(set(ours[0, width:].tolist())) >= 5, "degenerate continuation"
