@@ -344,3 +344,26 @@ def test_greedy_with_media_matches_transformers(tmp_path, style, dtype):
     width = ids.shape[1]
     assert torch.equal(ours, theirs), f"\nours   {ours[:, width:]}\ntheirs {theirs[:, width:]}"
     assert len(set(ours[0, width:].tolist())) >= 5, "degenerate continuation"
+
+
+def test_audio_frames_match_transformers_feature_extractor():
+    import numpy as np
+    from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import (
+        Gemma4UnifiedAudioFeatureExtractor,
+    )
+
+    from torchgemma.processing.unified import frame_audio
+
+    rng = np.random.default_rng(0)
+    # A partial last frame, an exact multiple of 640, a clip shorter than one frame; float64 input.
+    clips = [rng.standard_normal(1500), rng.standard_normal(1280).astype(np.float32), rng.standard_normal(90)]
+    theirs = Gemma4UnifiedAudioFeatureExtractor()(clips, return_tensors="pt")
+    ours = frame_audio(clips)
+    assert ours["input_features"].dtype == theirs["input_features"].dtype
+    assert torch.equal(ours["input_features"], theirs["input_features"])
+    assert torch.equal(ours["input_features_mask"], theirs["input_features_mask"])
+    one = frame_audio(torch.from_numpy(clips[0]))
+    assert torch.equal(
+        one["input_features"],
+        Gemma4UnifiedAudioFeatureExtractor()(clips[0], return_tensors="pt")["input_features"],
+    )
