@@ -32,6 +32,10 @@ LayerType = Literal["sliding_attention", "full_attention"]
 KVRole = Literal["own", "store", "reuse"]
 
 SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
+# Gemma 4 12B "unified" (encoder-free): the gemma4 decoder without PLE or MoE; image patches and audio
+# frames are projected straight into it (model/unified.py).
+UNIFIED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+SUPPORTED_MODEL_TYPES += UNIFIED_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
 # Largest accepted value of each size field, in any sub-config. Published Gemma 3/4 reach 62 layers,
@@ -60,6 +64,9 @@ MAX_SIZES: dict[str, int] = {
     "patch_size": 1024,
     "pooling_kernel_size": 64,
     "position_embedding_size": 262_144,
+    "mm_embed_dim": 65_536,
+    "mm_posemb_size": 262_144,
+    "audio_embed_dim": 65_536,
     "conv_kernel_size": 1024,
     "subsampling_conv_channels": 65_536,
     "attention_chunk_size": 65_536,
@@ -113,6 +120,27 @@ DEFAULT_ROPE_PARAMETERS = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
+
+# Where transformers' Gemma4UnifiedTextConfig defaults differ from Gemma4TextConfig's. It has no
+# per-layer-input or MoE fields at all: those are off whatever the json says.
+UNIFIED_TEXT_DEFAULTS: dict[str, Any] = {
+    "sliding_window": 1024,
+    "max_position_embeddings": 262_144,
+    "use_bidirectional_attention": "vision",
+    "final_logit_softcapping": None,
+}
+UNIFIED_TEXT_FORCED: dict[str, Any] = {"hidden_size_per_layer_input": 0, "enable_moe_block": False}
+
+# transformers' Gemma4UnifiedVisionConfig / Gemma4UnifiedAudioConfig defaults.
+UNIFIED_VISION_DEFAULTS: dict[str, Any] = {
+    "patch_size": 16,
+    "pooling_kernel_size": 3,
+    "mm_embed_dim": 3840,
+    "mm_posemb_size": 1120,
+    "rms_norm_eps": 1e-6,
+    "output_proj_dims": 3840,
+}
+UNIFIED_AUDIO_DEFAULTS: dict[str, Any] = {"audio_embed_dim": 640, "rms_norm_eps": 1e-6}
 
 # transformers' Gemma4VisionConfig defaults (the "on-device" tower of E2B/E4B) for omitted fields.
 VISION_DEFAULTS: dict[str, Any] = {
@@ -310,6 +338,10 @@ class TextConfig:
     # Gemma 3n (model_type gemma3n): ids the vision and audio embedders embed from their own tables
     # instead of embed_tokens, in the order they are applied.
     media_vocabularies: tuple[MediaVocabulary, ...] = ()
+    # Which layers let an image's tokens see each other both ways (use_bidirectional_attention "vision"):
+    # "sliding" (gemma4: sliding layers, within the window) or "all" (gemma4_unified, as transformers'
+    # forward builds its masks: every layer, and a block is seen whole even past the window).
+    vision_block_layers: Literal["sliding", "all"] = "sliding"
 
     @property
     def has_per_layer_inputs(self) -> bool:
@@ -372,6 +404,35 @@ class AudioConfig:
 
 
 @dataclass(frozen=True)
+class UnifiedVisionConfig:
+    """The 12B unified model's image embedder: no encoder; k x k merged patches go through
+    LayerNorm, Linear, LayerNorm, a factorised (x, y) position table and a LayerNorm."""
+
+    patch_size: int
+    pooling_kernel_size: int
+    mm_embed_dim: int
+    # Rows of the (x, y) position table: the widest/tallest grid in merged patches it can place.
+    mm_posemb_size: int
+    rms_norm_eps: float
+    # Input width of the projection into the decoder (transformers reads it from here, not from
+    # mm_embed_dim: the two must agree for a checkpoint to run).
+    output_proj_dims: int
+
+    @property
+    def model_patch_size(self) -> int:
+        """Pixels per side of one merged patch (one soft token)."""
+        return self.patch_size * self.pooling_kernel_size
+
+
+@dataclass(frozen=True)
+class UnifiedAudioConfig:
+    """The 12B unified model's audio embedder: raw waveform frames of ``audio_embed_dim`` samples."""
+
+    audio_embed_dim: int
+    rms_norm_eps: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A whole checkpoint: the text decoder plus, for ``gemma4``, its vision and audio towers."""
 
@@ -383,6 +444,9 @@ class ModelConfig:
     # The towers the model builds (None when config.json has none).
     vision_config: VisionConfig | None = None
     audio_config: AudioConfig | None = None
+    # gemma4_unified: the encoder-free image and audio embedders (no vision or audio tower).
+    unified_vision: UnifiedVisionConfig | None = None
+    unified_audio: UnifiedAudioConfig | None = None
     # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
     # has_mins}}} (config.json's "quantization_config", quant_method "torchgemma").
     quantization: dict | None = None
@@ -421,7 +485,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; torchgemma builds {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         media: tuple[MediaVocabulary, ...] = ()
-        if model_type in ("gemma4", "gemma3", "gemma3n"):
+        unified = model_type in UNIFIED_MODEL_TYPES
+        if model_type in ("gemma4", "gemma3", "gemma3n", "gemma4_unified"):
             text_data = data.get("text_config")
             if not isinstance(text_data, dict):
                 raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
@@ -451,10 +516,14 @@ class ModelConfig:
         for name, sub in (("vision_config", vision), ("audio_config", audio)):
             if sub is not None and not isinstance(sub, dict):
                 raise ConfigError(f"{name} must be an object or null, got {type(sub).__name__}")
-        family = "gemma3n" if model_type.startswith("gemma3n") else model_type.removesuffix("_text")
+        if unified:
+            text_data = {**UNIFIED_TEXT_DEFAULTS, **text_data, **UNIFIED_TEXT_FORCED}
+        family = next((f for f in ("gemma3n", "gemma3") if model_type.startswith(f)), "gemma4")
         text = _text_config_from_hf(text_data, family)
         if media:
             text = dataclasses.replace(text, media_vocabularies=_check_media(media, text.vocab_size))
+        if unified:
+            text = dataclasses.replace(text, vision_block_layers="all")
         if model_type == "gemma3" and text.final_logit_softcapping is not None:
             # transformers 5.23's Gemma3ForConditionalGeneration never soft-caps its logits (only
             # Gemma3ForCausalLM does; published Gemma 3 configs set the cap to null): follow it.
@@ -464,8 +533,10 @@ class ModelConfig:
             text=text,
             token_ids=token_ids,
             dtype=dtype,
-            vision_config=None if vision is None else _vision_config_from_hf(vision),
-            audio_config=None if audio is None else _audio_config_from_hf(audio),
+            vision_config=None if vision is None or unified else _vision_config_from_hf(vision),
+            audio_config=None if audio is None or unified else _audio_config_from_hf(audio),
+            unified_vision=_unified_vision_from_hf(vision) if unified and vision is not None else None,
+            unified_audio=_unified_audio_from_hf(audio) if unified and audio is not None else None,
             quantization=_quantization_from_hf(data.get("quantization_config")),
             source=data,
         )
@@ -896,6 +967,31 @@ def _audio_config_from_hf(data: dict) -> AudioConfig:
         use_clipped_linears=bool(a["use_clipped_linears"]),
         rms_norm_eps=float(a["rms_norm_eps"]),
         gradient_clipping=float(a["gradient_clipping"]),
+    )
+
+
+def _unified_vision_from_hf(data: dict) -> UnifiedVisionConfig:
+    v = {**UNIFIED_VISION_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
+    _check_numbers(v, {"rms_norm_eps": POSITIVE}, "vision_config")
+    ints = {
+        key: _positive_int(v, key, "vision_config")
+        for key in ("patch_size", "pooling_kernel_size", "mm_embed_dim", "mm_posemb_size", "output_proj_dims")
+    }
+    if ints["output_proj_dims"] != ints["mm_embed_dim"]:
+        # transformers builds the projection from output_proj_dims and feeds it mm_embed_dim values.
+        raise ConfigError(
+            f"vision_config: output_proj_dims={ints['output_proj_dims']} must equal "
+            f"mm_embed_dim={ints['mm_embed_dim']} (the embedder's output feeds the projection)"
+        )
+    return UnifiedVisionConfig(**ints, rms_norm_eps=float(v["rms_norm_eps"]))
+
+
+def _unified_audio_from_hf(data: dict) -> UnifiedAudioConfig:
+    a = {**UNIFIED_AUDIO_DEFAULTS, **{k: val for k, val in data.items() if val is not None}}
+    _check_numbers(a, {"rms_norm_eps": POSITIVE}, "audio_config")
+    return UnifiedAudioConfig(
+        audio_embed_dim=_positive_int(a, "audio_embed_dim", "audio_config"),
+        rms_norm_eps=float(a["rms_norm_eps"]),
     )
 
 

@@ -28,7 +28,7 @@ CONFIG_FILES = ["config.json", "modules.json", "*_Dense/config.json"]
 
 # Which tower a module path belongs to; everything else is the language model (and its head).
 TOWER_PREFIXES = {
-    "vision": ("vision_tower.", "embed_vision."),
+    "vision": ("vision_tower.", "embed_vision.", "vision_embedder."),
     "audio": ("audio_tower.", "embed_audio."),
 }
 

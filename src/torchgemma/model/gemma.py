@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from .audio import AudioTower
 from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
 from .text import TextModel
+from .unified import VisionEmbedder
 from .vision import VisionTower
 
 
@@ -43,6 +44,20 @@ class Gemma(nn.Module):
             self.embed_audio = MultimodalEmbedder(
                 audio.output_proj_dims, text.hidden_size, audio.rms_norm_eps
             )
+        if config.unified_vision is not None:  # gemma4_unified: no tower, see model/unified.py
+            vision = config.unified_vision
+            self.vision_embedder = VisionEmbedder(vision)
+            self.embed_vision = MultimodalEmbedder(
+                vision.output_proj_dims, text.hidden_size, vision.rms_norm_eps
+            )
+        if config.unified_audio is not None:
+            audio = config.unified_audio
+            self.embed_audio = MultimodalEmbedder(audio.audio_embed_dim, text.hidden_size, audio.rms_norm_eps)
+
+    @property
+    def takes_media(self) -> bool:
+        """A multimodal layout (gemma4, gemma4_unified): placeholders and soft tokens apply."""
+        return self.config.model_type in ("gemma4", "gemma4_unified")
 
     @property
     def towers_note(self) -> str:
@@ -88,7 +103,7 @@ class Gemma(nn.Module):
     def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids the text decoder embeds: in ``gemma4`` checkpoints a media placeholder reads as the
         pad token (its soft token, if any, is scattered in afterwards), also when it is generated."""
-        if self.config.model_type != "gemma4":
+        if not self.takes_media:
             return input_ids
         masks = placeholder_masks(input_ids, self.config.token_ids)
         placeholders = masks["image"] | masks["video"] | masks["audio"]
@@ -96,6 +111,13 @@ class Gemma(nn.Module):
 
     def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
+        if self.config.unified_vision is not None:
+            if position_ids is None:
+                raise ValueError("pixel values need their patch positions (image_position_ids)")
+            position_ids = position_ids.to(self.device)
+            soft = self.embed_vision(self.vision_embedder(pixel_values.to(self.device), position_ids))
+            # Padding patches (at (-1, -1)) have no placeholder: only the real ones are scattered.
+            return soft[(position_ids != -1).all(dim=-1)]
         if self.config.vision_config is None:
             raise ValueError(f"this checkpoint has no vision tower torchgemma builds ({self.towers_note})")
         if position_ids is None:
@@ -106,7 +128,11 @@ class Gemma(nn.Module):
         return self.embed_vision(soft)
 
     def audio_features(self, input_features: torch.Tensor, input_features_mask: torch.Tensor) -> torch.Tensor:
-        """Log-mel features (B, T, F) and frame mask (B, T) -> the valid frames' soft tokens (n, H)."""
+        """Log-mel features (B, T, F) and frame mask (B, T) -> the valid frames' soft tokens (n, H).
+        gemma4_unified: raw waveform frames (B, T, 640) projected directly, without a tower."""
+        if self.config.unified_audio is not None:
+            frames = input_features.to(self.device, self.dtype)  # cast before the norm, as the reference
+            return self.embed_audio(frames)[input_features_mask.to(self.device).bool()]
         if self.config.audio_config is None:
             raise ValueError(f"this checkpoint has no audio tower torchgemma builds ({self.towers_note})")
         frames, valid = self.audio_tower(input_features.to(self.device), input_features_mask.to(self.device))
@@ -195,7 +221,7 @@ class Gemma(nn.Module):
             "input_features": input_features,
             "pixel_values_videos": pixel_values_videos,
         }
-        if self.config.model_type != "gemma4":
+        if not self.takes_media:
             given = [name for name, value in media.items() if value is not None]
             if given:
                 raise ValueError(

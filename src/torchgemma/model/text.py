@@ -517,6 +517,7 @@ def allowed_keys(
     window: int | None,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     bidirectional: bool = False,
+    blocks_past_window: bool = False,
 ) -> torch.Tensor:
     """(B, 1, T, S) True where a query may attend to a key.
 
@@ -526,18 +527,23 @@ def allowed_keys(
     ``blocks`` = (query block ids (B, T), key block ids (B, S)): a query also sees later keys of
     its own block (id >= 0), still within the window's reach into the past. ``bidirectional``
     (encoder models): every key on full layers, keys with |q - k| < window on sliding layers.
+    ``blocks_past_window`` (gemma4_unified): a block's keys are seen even beyond the window.
     """
     q, k = query_index[:, :, None], key_index[:, None, :]
     if bidirectional:
         allowed = torch.ones_like(k <= q) if window is None else (q - k).abs() < window
     else:
         allowed = k <= q  # (B, T, S)
+        same_block = None
         if blocks is not None:
             query_block, key_block = blocks
             same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
-            allowed = allowed | same_block
+            if not blocks_past_window:
+                allowed = allowed | same_block
         if window is not None:
             allowed = allowed & (k > q - window)
+        if same_block is not None and blocks_past_window:
+            allowed = allowed | same_block
     return (allowed & key_valid[:, None, :])[:, None]
 
 
@@ -795,10 +801,14 @@ class TextModel(nn.Module):
         layout = {}
         for layer_type in cfg.rope:
             spec = cfg.layers[cfg.layer_types.index(layer_type)]
+            # gemma4 applies image blocks on sliding layers only; gemma4_unified on every layer.
+            all_layers = cfg.vision_block_layers == "all"
             if step is None:
-                keys = _uncached_keys(length, valid, spec.window, vision_blocks, cfg.bidirectional, device)
+                keys = _uncached_keys(
+                    length, valid, spec.window, vision_blocks, cfg.bidirectional, device, all_layers
+                )
             else:
-                keys = _cached_keys(cache, step, spec.window, vision_blocks, device)
+                keys = _cached_keys(cache, step, spec.window, vision_blocks, device, all_layers)
             allowed, key_slice, rows, trivial = keys
             if key_slice is not None:
                 allowed = allowed[..., key_slice]
@@ -816,12 +826,13 @@ class TextModel(nn.Module):
         return layout
 
 
-def _uncached_keys(length, valid, window, vision_blocks, bidirectional, device):
+def _uncached_keys(length, valid, window, vision_blocks, bidirectional, device, blocks_past_window=False):
     """Keys of a call without cache: its own tokens, causal in columns (padding included)."""
     index = torch.arange(length, device=device)[None]
     key_valid = torch.ones_like(index, dtype=torch.bool) if valid is None else valid
-    blocks = None if vision_blocks is None or window is None else (vision_blocks, vision_blocks)
-    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional)
+    with_blocks = vision_blocks is not None and (window is not None or blocks_past_window)
+    blocks = (vision_blocks, vision_blocks) if with_blocks else None
+    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional, blocks_past_window)
     # transformers skips the sdpa mask only without padding, blocks or bidirectionality, and on
     # sliding layers only while the keys fit in the window.
     trivial = (
@@ -833,7 +844,7 @@ def _uncached_keys(length, valid, window, vision_blocks, bidirectional, device):
     return allowed, None, None, trivial
 
 
-def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device):
+def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, blocks_past_window=False):
     """Keys of a cached call: the rows' stored keys (full layers) or the window's past plus this
     call's own keys (sliding layers), with each row's range when the call knows its lengths."""
     batch, length = step.positions.shape
@@ -842,6 +853,12 @@ def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device)
         key_index = torch.arange(step.full_span, device=device)[None]
         key_valid = key_index < step.ends
         blocks = None
+        if vision_blocks is not None and blocks_past_window:
+            # Full layers' keys are columns = positions; keys from earlier calls belong to no block.
+            # amax: a padding token (block -1) sharing a column with a real one never overwrites it.
+            key_block = torch.full((batch, step.full_span), -1, dtype=vision_blocks.dtype, device=device)
+            key_block = key_block.scatter_reduce(1, step.positions, vision_blocks, "amax")
+            blocks = (vision_blocks, key_block)
         ranges = (
             None if step.starts is None else [(0, max(s + c, 1)) for s, c in zip(step.starts, step.counts)]
         )
@@ -855,7 +872,7 @@ def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device)
             blocks = (vision_blocks, torch.cat((earlier, vision_blocks), dim=1))
         past = cache.past_len
         ranges = None if step.starts is None else [(past - min(s, past), past + length) for s in step.starts]
-    allowed = allowed_keys(step.positions, key_index, key_valid, window, blocks)
+    allowed = allowed_keys(step.positions, key_index, key_valid, window, blocks, False, blocks_past_window)
 
     key_slice, rows, trivial = None, None, False
     if ranges is not None:

@@ -308,7 +308,7 @@ def check_tensor_table(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
 
 SHARED_KV_PARAMS = ("k_proj", "v_proj", "k_norm", "v_norm")
 # *ForCausalLM checkpoints: the text model's tensors are model.*, not model.language_model.*.
-TEXT_ONLY_TYPES = ("gemma4_text", "gemma3_text", "gemma3n_text")
+TEXT_ONLY_TYPES = ("gemma4_text", "gemma3_text", "gemma3n_text", "gemma4_unified_text")
 
 
 def sanitize(name: str, config: ModelConfig) -> str | None:
@@ -322,7 +322,7 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
         name = "language_model." + name[len("model.") :]
     elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
         name = name[len("model.") :]
-    elif config.model_type in ("gemma4_text", "gemma3_text") and name != "lm_head.weight":
+    elif config.model_type in TEXT_ONLY_TYPES and name != "lm_head.weight":
         # *TextModel (no model. prefix, no head): EmbeddingGemma, as sentence-transformers saves it
         name = "language_model." + name
     if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):

@@ -34,7 +34,7 @@ SIDE_FILES = (
 def checkpoint_name(module_path: str, model_type: str) -> str:
     """The checkpoint tensor name of a module path (``language_model.norm.weight``), as published:
     ``model.`` + the path, except that ``*ForCausalLM`` text checkpoints drop ``language_model.``."""
-    if model_type in ("gemma4_text", "gemma3_text", "gemma3n_text"):
+    if model_type in ("gemma4_text", "gemma3_text", "gemma3n_text", "gemma4_unified_text"):
         return "model." + module_path.removeprefix("language_model.")
     if model_type == "gemma3n" and module_path.startswith(
         ("language_model.embed_vision.", "language_model.embed_audio.")
