@@ -25,6 +25,7 @@ from tokenizers import processors
 
 import torchgemma
 from checkpoints import randomize_
+from test_llm import llm_checkpoint  # noqa: F401  (the session fixture: a tiny generative checkpoint)
 from tokenizer_fixtures import SAMPLE_TEXT, VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma.config import FULL, SLIDING, ModelConfig
 from torchgemma.embedding import ACTIVATIONS, POOLING_MODES, Dense, Pooling, SentenceHead
@@ -394,3 +395,76 @@ def test_unsupported_modules_are_named(folders, tmp_path):
     (folder / "2_Dense/config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="activation 'os.system' is not one of"):
         Dense.from_folder(folder / "2_Dense")
+
+
+# ── the server's /v1/embeddings and the embed command ──────────────────────────────────────
+
+
+def test_server_embeddings_as_openai_clients_call_them(folders):
+    """The official client (which asks for base64 and decodes it), float lists, dimensions, usage
+    and the task prompt as a vendor extra: the vectors are sentence-transformers' own."""
+    import httpx
+    import openai
+
+    from serving_fixtures import running_server
+    from torchgemma.serving.app import create_app
+
+    folder = folders["embeddinggemma"]
+    st = reference(folder)
+    llm = LLM(folder, progress=False)
+    with running_server(create_app(llm, model_name="emb", max_batch_size=2, max_len=64)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.embeddings.create(model="emb", input=TEXTS, extra_body={"prompt_name": "query"})
+        theirs = st.encode(TEXTS, convert_to_tensor=True, prompt_name="query")
+        ours = torch.tensor([item.embedding for item in reply.data])
+        assert [item.index for item in reply.data] == list(range(len(TEXTS)))
+        assert (ours - theirs).abs().max().item() <= 1e-5
+        expected_tokens = sum(len(st.tokenize([PROMPTS["query"] + t])["input_ids"][0]) for t in TEXTS)
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == expected_tokens
+        short = httpx.post(
+            f"{url}/v1/embeddings", json={"input": TEXTS[0], "dimensions": 8, "encoding_format": "float"}
+        ).json()
+        assert len(short["data"]) == 1 and len(short["data"][0]["embedding"]) == 8
+        first = st.encode(TEXTS[0], convert_to_tensor=True, truncate_dim=8)
+        assert (torch.tensor(short["data"][0]["embedding"]) - first).abs().max().item() <= 1e-5
+        for body, words in [
+            ({"input": [[5, 6, 7]]}, "not token ids"),
+            ({"input": []}, "input is empty"),
+            ({"input": "x", "dimensions": 10_000}, "dimensions must be in 1.."),
+            ({"input": "x", "prompt_name": "nope"}, "unknown prompt_name 'nope'"),
+        ]:
+            answer = httpx.post(f"{url}/v1/embeddings", json=body)
+            assert answer.status_code == 400 and words in answer.json()["error"]["message"], body
+
+
+def test_a_generative_checkpoint_does_not_embed(llm_checkpoint):  # noqa: F811
+    import httpx
+
+    from serving_fixtures import running_server
+    from torchgemma.serving.app import create_app
+
+    llm = LLM(llm_checkpoint, progress=False)
+    with running_server(create_app(llm, model_name="m", max_batch_size=1, max_len=64)) as url:
+        answer = httpx.post(f"{url}/v1/embeddings", json={"input": "hello"})
+    assert answer.status_code == 404 and "cannot embed" in answer.json()["error"]["message"]
+
+
+def test_the_embed_command(folders):
+    import json
+    import subprocess
+    import sys
+
+    folder = folders["embeddinggemma"]
+    command = [sys.executable, "-m", "torchgemma.cli", "embed", "--model", str(folder), "--threads", "1"]
+    done = subprocess.run(
+        [*command, "--prompt-name", "document", *TEXTS[:2]], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["text"] for line in lines] == TEXTS[:2]
+    theirs = reference(folder).encode(TEXTS[:2], convert_to_tensor=True, prompt_name="document")
+    assert (torch.tensor([line["embedding"] for line in lines]) - theirs).abs().max().item() <= 1e-5
+    piped = subprocess.run(
+        command, input="one line\n\nanother\n", capture_output=True, text=True, timeout=300
+    )
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 2

@@ -446,6 +446,20 @@ def embed_texts(
     return out[0] if single else out
 
 
+def token_counts(
+    tokenizer: Tokenizer,
+    head: SentenceHead,
+    texts: Sequence[str],
+    *,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+) -> list[int]:
+    """How many tokens ``embed_texts`` runs through the decoder for each text (prompt included,
+    after truncation): the server's usage figures."""
+    before = head.prompt(prompt_name, prompt)
+    return [len(_token_ids(tokenizer, before + text, head.max_length)) for text in texts]
+
+
 def embed(
     texts: str | Sequence[str],
     *,

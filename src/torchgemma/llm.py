@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from .embedding import SentenceHead, embed_texts
+from .embedding import MODULES_FILE, SentenceHead, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
 from .processing import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
@@ -378,6 +378,11 @@ class LLM:
         yield from reply.flush()
 
     # ---- sentence embeddings --------------------------------------------------------------------
+
+    @property
+    def has_sentence_head(self) -> bool:
+        """Whether the checkpoint is a sentence-transformers folder (``modules.json``): ``embed`` works."""
+        return (Path(self.folder) / MODULES_FILE).is_file()
 
     @functools.cached_property
     def sentence_head(self) -> SentenceHead:

@@ -35,6 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..embedding import token_counts
 from ..generation.constraints import JSONObject
 from ..generation.engine import Engine
 from ..llm import LLM
@@ -42,7 +43,7 @@ from ..processing.audio import decode_wav
 from ..tokenizer import UnknownTokenError
 from .metrics import Metrics
 from .parsing import Delta, ReplyStream, StopStrings
-from .protocol import ChatCompletionRequest, CompletionRequest, Message
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, Message
 from .runner import Busy, EngineRunner, Token
 
 # How long a client is told to wait when the waiting room is full.
@@ -426,6 +427,47 @@ def create_app(
         outcome = await collect(request, Prepared(ids, engine_args, [], tools=False), "transcription")
         text = "".join(outcome.content).strip()
         return PlainTextResponse(text) if response_format == "text" else {"text": text}
+
+    # ── embeddings ───────────────────────────────────────────────────────────────────────────
+
+    # One embedding batch at a time, off the event loop; generation keeps its own engine thread.
+    embedding_lock = asyncio.Lock()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body.model)
+        if not llm.has_sentence_head:
+            raise APIError(
+                404,
+                "this checkpoint has no sentence-transformers modules (modules.json): it cannot embed",
+                param="model",
+            )
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts:
+            raise bad_request("input is empty", "input")
+        if not all(isinstance(text, str) for text in texts):
+            raise bad_request("input must be text (a string or a list of strings), not token ids", "input")
+        head = llm.sentence_head
+        if body.dimensions is not None and not 0 < body.dimensions <= head.dimension:
+            raise bad_request(f"dimensions must be in 1..{head.dimension}", "dimensions")
+        try:
+            counts = token_counts(llm.tokenizer, head, texts, prompt_name=body.prompt_name)
+            async with embedding_lock:
+                vectors = await asyncio.to_thread(
+                    llm.embed, texts, prompt_name=body.prompt_name, truncate_dim=body.dimensions
+                )
+        except ValueError as error:  # an unknown prompt_name, a text with no tokens
+            raise bad_request(str(error), "input") from error
+        vectors = vectors.float().cpu()
+        data = []
+        for index, vector in enumerate(vectors):
+            if body.encoding_format == "base64":
+                embedding: Any = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+            else:
+                embedding = vector.tolist()
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        usage = {"prompt_tokens": sum(counts), "total_tokens": sum(counts)}
+        return {"object": "list", "data": data, "model": model_name, "usage": usage}
 
     # ── shared request handling ──────────────────────────────────────────────────────────────
 

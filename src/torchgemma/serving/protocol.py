@@ -119,3 +119,14 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+class EmbeddingRequest(_Model):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # Vendor extra (extra_body): a task prompt of the checkpoint's config_sentence_transformers.json
+    # (EmbeddingGemma: "query", "document", ...); without it, the checkpoint's default prompt.
+    prompt_name: str | None = None
