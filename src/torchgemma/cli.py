@@ -826,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="An OpenAI-compatible server (chat and text completions, streaming, tools, thinking, "
-        "images, audio, transcription, /metrics, a chat page at /) with continuous batching. Needs the serve "
+        "images, audio, transcription, embeddings, /metrics, a chat page at /) with continuous batching. Needs the serve "
         "extra: pip install 'torchgemma[serve]'.",
     )
     _add_model_flags(serve)
