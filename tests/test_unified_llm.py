@@ -99,16 +99,16 @@ def processor(checkpoint):
 
 
 @functools.cache
-def load_llm(folder: Path, dtype: torch.dtype = torch.float32) -> LLM:
-    return LLM(folder, dtype=dtype, attention="eager")
+def load_llm(folder: Path, dtype: torch.dtype = torch.float32, attention: str = "eager") -> LLM:
+    return LLM(folder, dtype=dtype, attention=attention)
 
 
 @functools.cache
-def reference_model(folder: Path, dtype: torch.dtype):
+def reference_model(folder: Path, dtype: torch.dtype, attention: str = "eager"):
     from transformers import Gemma4UnifiedForConditionalGeneration
 
     model = Gemma4UnifiedForConditionalGeneration.from_pretrained(
-        folder, dtype=dtype, attn_implementation="eager"
+        folder, dtype=dtype, attn_implementation=attention
     )
     return model.eval()
 
@@ -185,17 +185,19 @@ CASES = {
 }
 
 
+# Both attention backends, each against transformers' own (sdpa is the default of both).
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_with_media_matches_transformers(checkpoint, processor, case, dtype):
-    llm = load_llm(checkpoint, dtype)
+def test_greedy_with_media_matches_transformers(checkpoint, processor, case, dtype, attention):
+    llm = load_llm(checkpoint, dtype, attention)
     items = CASES[case]
     messages = user(*items)
     images = [item["image"] for item in items if item["type"] == "image"]
     audio = [item["audio"] for item in items if item["type"] == "audio"]
     inputs = reference_inputs(processor, llm, messages, images, audio)
     with torch.no_grad():
-        theirs = reference_model(checkpoint, dtype).generate(
+        theirs = reference_model(checkpoint, dtype, attention).generate(
             **inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None
         )
     theirs = theirs[0, inputs["input_ids"].shape[1] :].tolist()
