@@ -26,13 +26,15 @@ from test_multimodal_generation import media_token_ids, run
 from test_unified import UNIFIED_STYLES
 from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma.llm import LLM
-from unified_reference import reference_image_processor_class
+from unified_reference import reference_image_processor_class, reference_video_processor_class
+from video_reference import moving_frames
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = [torch.float32, torch.bfloat16]
 NEW = 12
 SOFT_TOKENS = 70
+NUM_FRAMES = 4  # frames kept per video
 VISION = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=40, mm_posemb_size=32, output_proj_dims=40)
 
 
@@ -66,6 +68,7 @@ def build_checkpoint(folder: Path, seed: int) -> Path:
         "processor_class": "Gemma4UnifiedProcessor",
         "image_processor": {"max_soft_tokens": SOFT_TOKENS, "patch_size": 4, "pooling_kernel_size": 2},
         "feature_extractor": Gemma4UnifiedAudioFeatureExtractor().to_dict(),
+        "video_processor": {"max_soft_tokens": SOFT_TOKENS, "num_frames": NUM_FRAMES},
     }
     (folder / "processor_config.json").write_text(json.dumps(processor_config, default=str))
     return folder
@@ -81,7 +84,7 @@ def processor(checkpoint):
     from transformers import AutoTokenizer, Gemma4UnifiedAudioFeatureExtractor, Gemma4UnifiedProcessor
 
     class Processor(Gemma4UnifiedProcessor):
-        # The video processor needs torchvision, absent here; videos are not used.
+        # Its video processor is loaded outside transformers' registry (unified_reference.py).
         def check_argument_for_proper_class(self, name, arg):
             if name != "video_processor":
                 return super().check_argument_for_proper_class(name, arg)
@@ -94,7 +97,9 @@ def processor(checkpoint):
             feature_extractor=Gemma4UnifiedAudioFeatureExtractor(),
             image_processor=image_processor,
             tokenizer=AutoTokenizer.from_pretrained(checkpoint),
-            video_processor=None,
+            video_processor=reference_video_processor_class(monkeypatch)(
+                max_soft_tokens=SOFT_TOKENS, patch_size=4, pooling_kernel_size=2, num_frames=NUM_FRAMES
+            ),
         )
 
 
@@ -120,17 +125,25 @@ IMAGES = [
 ]
 # 0.5 s and 0.3 s (13 and 8 frames of 640 samples): the shorter clip is padded in the batch.
 CLIPS = [0.1 * RNG.standard_normal(n).astype(np.float32) for n in (8000, 4800)]
+# 10 frames of 60x90, given without a rate (24 fps assumed by both): 4 kept.
+VIDEO = moving_frames(10, 60, 90, seed=3)
 
 
 def user(*items, text="Describe this in detail.") -> list[dict]:
     return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
 
 
-def reference_inputs(processor, llm, messages, images=(), audio=()):
+def reference_inputs(processor, llm, messages, images=(), audio=(), videos=()):
     text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return processor(
-        text=[text], images=[list(images)] if images else None, audio=list(audio) or None, return_tensors="pt"
+    inputs = processor(
+        text=[text],
+        images=[list(images)] if images else None,
+        audio=list(audio) or None,
+        videos=list(videos) or None,
+        return_tensors="pt",
     )
+    inputs.pop("video_metadata", None)
+    return inputs
 
 
 def test_llm_reads_the_processor_config(checkpoint):
@@ -145,9 +158,10 @@ def test_chat_inputs_match_processor(checkpoint, processor):
         {"type": "text", "text": "and"},
         {"type": "image", "image": IMAGES[1]},
         {"type": "audio", "audio": CLIPS[1]},
+        {"type": "video", "video": VIDEO},
     )
     ours = llm.chat_inputs(messages)
-    theirs = dict(reference_inputs(processor, llm, messages, IMAGES, CLIPS))
+    theirs = dict(reference_inputs(processor, llm, messages, IMAGES, CLIPS, [VIDEO]))
     assert set(ours) == set(theirs)
     for name, value in theirs.items():
         assert ours[name].dtype == value.dtype, name
@@ -155,7 +169,8 @@ def test_chat_inputs_match_processor(checkpoint, processor):
     types = ours["mm_token_type_ids"][0]
     assert (types == 3).sum() == 13 + 8
     assert (types == 1).sum() == (ours["image_position_ids"][..., 0] != -1).sum() > 0
-    assert set(types.tolist()) == {0, 1, 3}
+    assert set(types.tolist()) == {0, 1, 2, 3}
+    assert ours["num_frames_per_video"].tolist() == [NUM_FRAMES]
 
 
 def test_text_only_chat_matches_transformers(checkpoint, processor):
@@ -182,6 +197,7 @@ CASES = {
     "image": [{"type": "image", "image": IMAGES[0]}],
     "audio": [{"type": "audio", "audio": CLIPS[0]}],
     "both": [{"type": "image", "image": IMAGES[1]}, {"type": "audio", "audio": CLIPS[1]}],
+    "video": [{"type": "video", "video": VIDEO}],
 }
 
 
@@ -195,7 +211,8 @@ def test_greedy_with_media_matches_transformers(checkpoint, processor, case, dty
     messages = user(*items)
     images = [item["image"] for item in items if item["type"] == "image"]
     audio = [item["audio"] for item in items if item["type"] == "audio"]
-    inputs = reference_inputs(processor, llm, messages, images, audio)
+    videos = [item["video"] for item in items if item["type"] == "video"]
+    inputs = reference_inputs(processor, llm, messages, images, audio, videos)
     with torch.no_grad():
         theirs = reference_model(checkpoint, dtype, attention).generate(
             **inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None
@@ -210,13 +227,13 @@ def test_media_change_the_reply(checkpoint):
     llm = load_llm(checkpoint)
     greedy = dict(temperature=0, max_new_tokens=NEW, stop_token_ids=[])
     replies = {llm.chat(user(*items), **greedy).token_ids for items in CASES.values()}
-    assert len(replies | {llm.chat(user(), **greedy).token_ids}) == 4
+    assert len(replies | {llm.chat(user(), **greedy).token_ids}) == 5
 
 
 def test_clear_errors(checkpoint):
     llm = load_llm(checkpoint)
-    with pytest.raises(ValueError, match="videos are not supported for gemma4_unified"):
-        llm.chat(user({"type": "video", "video": [np.zeros((8, 8, 3), np.uint8)]}), max_new_tokens=1)
+    with pytest.raises(ValueError, match="video frames must be uint8"):
+        llm.chat(user({"type": "video", "video": np.zeros((4, 8, 8, 3), np.float32)}), max_new_tokens=1)
     with pytest.raises(ValueError, match="uint8"):
         llm.chat(user({"type": "image", "image": np.zeros((8, 8, 3), np.float32)}), max_new_tokens=1)
     with pytest.raises(ValueError, match="audio clip 0 is empty"):

@@ -1,5 +1,6 @@
 """gemma4_unified preprocessing against transformers 5.23's own code (tests/unified_reference.py):
-``Gemma4UnifiedImageProcessor`` (torch.equal on every output) and its resize rule."""
+``Gemma4UnifiedImageProcessor`` and ``Gemma4UnifiedVideoProcessor`` (torch.equal on every output)
+and their resize rule."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from PIL import Image
 
 from torchgemma.processing import image_resize_target
 from torchgemma.processing.unified import process_unified_images
-from unified_reference import reference_image_processor_class
+from unified_reference import reference_image_processor_class, reference_video_processor_class
+from video_reference import moving_frames
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,3 +121,23 @@ def test_bad_images_are_named():
         process_unified_images(noise((0, 20, 3)))
     with pytest.raises(FileNotFoundError):
         process_unified_images("/no/such/image.png")
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+def test_video_frames_match_reference(geometry):
+    from torchgemma.processing.video import process_videos
+
+    patch, k = geometry
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reference = reference_video_processor_class(monkeypatch)(
+            patch_size=patch, pooling_kernel_size=k, max_soft_tokens=70, num_frames=4
+        )
+        videos = [moving_frames(10, 100, 150, seed=1), moving_frames(6, 40, 200, seed=2)]
+        theirs = reference(videos=videos, return_tensors="pt")
+    ours = process_videos(
+        videos, num_frames=4, max_soft_tokens=70, patch_size=patch * k, pooling_kernel_size=1
+    )
+    for name in ("pixel_values_videos", "video_position_ids", "num_frames_per_video"):
+        assert ours[name].dtype == theirs[name].dtype, name
+        assert torch.equal(ours[name], theirs[name]), name
+    assert ours["num_soft_tokens"] == theirs["num_soft_tokens_per_video"].tolist()

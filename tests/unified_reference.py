@@ -1,14 +1,15 @@
-"""transformers' own ``Gemma4UnifiedImageProcessor`` and ``Gemma4UnifiedProcessor``, runnable
+"""transformers' own ``Gemma4UnifiedImageProcessor`` and ``Gemma4UnifiedVideoProcessor``, runnable
 without torchvision (see video_reference.py for the stand-in and why it is there).
 
-``image_processing_gemma4_unified.py`` imports torchvision's functional module at its top, so the
-module is executed with a ``torchvision.transforms.v2`` stub whose ``functional`` is the stand-in
+``image_processing_gemma4_unified.py`` and ``video_processing_gemma4_unified.py`` import torchvision's
+functional module at their top, so each module is executed with a ``torchvision.transforms.v2`` stub whose ``functional`` is the stand-in
 (plus ``to_dtype``, used by the backend's RGBA conversion: torchvision 0.28's ``to_dtype_image``),
-and the backend base class gets the same stand-in. Everything else is transformers' code.
+and the backend base classes get the same stand-in. Everything else is transformers' code.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import types
@@ -36,20 +37,28 @@ STAND_IN = types.SimpleNamespace(**vars(TORCHVISION_STAND_IN), to_dtype=_to_dtyp
 
 def reference_image_processor_class(monkeypatch):
     """transformers' ``Gemma4UnifiedImageProcessor`` class."""
+    return _load("image_processing_gemma4_unified", monkeypatch).Gemma4UnifiedImageProcessor
+
+
+def reference_video_processor_class(monkeypatch):
+    """transformers' ``Gemma4UnifiedVideoProcessor`` class."""
+    return _load("video_processing_gemma4_unified", monkeypatch).Gemma4UnifiedVideoProcessor
+
+
+def _load(module_name: str, monkeypatch):
+    name = f"transformers.models.gemma4_unified.{module_name}"
     if torchvision_available():
-        from transformers.models.gemma4_unified.image_processing_gemma4_unified import (
-            Gemma4UnifiedImageProcessor,
-        )
-
-        return Gemma4UnifiedImageProcessor
+        return importlib.import_module(name)
     import transformers.image_processing_backends as backends
+    import transformers.video_processing_utils as video_utils
 
+    # The base classes look the functions up in their modules' globals, which lack them here.
     monkeypatch.setattr(backends, "tvF", STAND_IN, raising=False)
-    stubs = {name: types.ModuleType(name) for name in ("torchvision", "torchvision.transforms")}
+    monkeypatch.setattr(video_utils, "tvF", STAND_IN, raising=False)
+    stubs = {key: types.ModuleType(key) for key in ("torchvision", "torchvision.transforms")}
     v2 = types.ModuleType("torchvision.transforms.v2")
     v2.functional = STAND_IN
     stubs["torchvision.transforms.v2"] = v2
-    name = "transformers.models.gemma4_unified.image_processing_gemma4_unified"
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     saved = {key: sys.modules.get(key) for key in [*stubs, name]}
@@ -63,4 +72,4 @@ def reference_image_processor_class(monkeypatch):
                 sys.modules.pop(key, None)
             else:
                 sys.modules[key] = value
-    return module.Gemma4UnifiedImageProcessor
+    return module

@@ -226,6 +226,10 @@ class LLM:
                 patch_size=vision.patch_size if vision else 16,
                 pooling_kernel_size=vision.pooling_kernel_size if vision else 3,
                 samples_per_token=frames.audio_embed_dim if frames else 640,
+                videos=videos,
+                tokenizer=self.tokenizer,
+                video_soft_tokens=self.video_soft_tokens,
+                num_frames=self.video_num_frames,
             )
         else:
             prepared = prepare_media_prompts(
@@ -493,10 +497,8 @@ class LLM:
         visual = "images" if images else "videos" if videos else None
         if config.model_type == "gemma4_unified":
             # Encoder-free embedders rather than towers (model/unified.py).
-            if videos:
-                raise ValueError("videos are not supported for gemma4_unified (12B Unified) yet")
             for given, embedder, kind in (
-                (images, config.unified_vision, "vision"),
+                (images or videos, config.unified_vision, "vision"),
                 (audio, config.unified_audio, "audio"),
             ):
                 if given and embedder is None:

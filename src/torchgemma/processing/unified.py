@@ -27,7 +27,8 @@ from PIL import Image
 
 from .audio import SAMPLING_RATE, AudioInput, load_audio, resample
 from .image import ImageInput, _check_budget, _load_image_file, _patchify, _pil_to_rgb, image_resize_target
-from .prompt import MediaTokens, expand_placeholders
+from .prompt import MediaTokens, VideoTokens, expand_placeholders
+from .video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS, VideoInput, process_videos
 
 
 def frame_audio(
@@ -172,11 +173,17 @@ def prepare_unified_prompts(
     patch_size: int = 16,
     pooling_kernel_size: int = 3,
     samples_per_token: int = 640,
+    videos: Sequence[VideoInput] = (),
+    tokenizer: Any = None,
+    video_soft_tokens: int = DEFAULT_VIDEO_SOFT_TOKENS,
+    num_frames: int | None = DEFAULT_NUM_FRAMES,
 ) -> dict[str, Any]:
     """``prepare_media_prompts`` for gemma4_unified: each ``<|image|>`` becomes ``<|image>`` + one
     ``<|image|>`` per merged patch + ``<image|>``, each ``<|audio|>`` ``<|audio>`` + one ``<|audio|>``
-    per valid frame (no subsampling) + ``<audio|>`` (processing_gemma4_unified.py ``replace_*_token``).
-    Returns unpadded ``input_ids`` / ``mm_token_type_ids`` rows and the media tensors."""
+    per valid frame (no subsampling) + ``<audio|>``, each ``<|video|>`` its frames as for gemma4 (a
+    timestamp, then ``<|image>`` + one ``<|video|>`` per merged patch + ``<image|>``; this needs the
+    ``tokenizer``) (processing_gemma4_unified.py ``replace_*_token``). Returns unpadded ``input_ids``
+    / ``mm_token_type_ids`` rows and the media tensors."""
     out: dict[str, Any] = {}
     image_counts: list[int] = []
     audio_counts: list[int] = []
@@ -192,5 +199,19 @@ def prepare_unified_prompts(
         )
         audio_counts = [int(mask.sum()) for mask in processed["input_features_mask"]]
         out.update(processed)
-    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(rows, tokens, image_counts, audio_counts)
+    video_tokens: list[VideoTokens] = []
+    if videos:
+        # Gemma4UnifiedVideoProcessor = Gemma4VideoProcessor + the k x k merge (= merged-size patches).
+        side = patch_size * pooling_kernel_size
+        processed = process_videos(
+            list(videos), num_frames, video_soft_tokens, patch_size=side, pooling_kernel_size=1
+        )
+        video_tokens = [
+            VideoTokens(n, times)
+            for n, times in zip(processed.pop("num_soft_tokens"), processed.pop("timestamps"))
+        ]
+        out.update(processed)
+    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(
+        rows, tokens, image_counts, audio_counts, video_tokens, tokenizer
+    )
     return out
