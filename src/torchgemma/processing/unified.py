@@ -12,7 +12,8 @@ the model patch (``patch_size * pooling_kernel_size`` px, 48 on the 12B), rescal
 teacher patches and merged k x k. That merge keeps each merged patch's pixels in row-major
 [row][column][channel] order and the merged patches in row-major order, so it equals cutting the
 image straight into model patches (what ``_patchify`` does), positions (x, y) in model patches;
-padding to ``max_soft_tokens`` with zeros at (-1, -1).
+padding to ``max_soft_tokens`` with zeros at (-1, -1). Videos: ``Gemma4UnifiedVideoProcessor`` is
+gemma4's video processor plus that merge, so ``process_videos`` at the merged patch size gives them.
 """
 
 from __future__ import annotations
