@@ -367,3 +367,39 @@ def test_audio_frames_match_transformers_feature_extractor():
         one["input_features"],
         Gemma4UnifiedAudioFeatureExtractor()(clips[0], return_tensors="pt")["input_features"],
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["text", "mm"])
+def test_default_sdpa_matches_transformers_sdpa(unified_checkpoints, layout, dtype):
+    """Our default backend (sdpa) against transformers' default (sdpa): the same logits to the bit,
+    without media (unpadded and left-padded) and with images and audio (bidirectional blocks)."""
+    from transformers import AutoModelForCausalLM, Gemma4UnifiedForConditionalGeneration
+
+    folder = unified_checkpoints["12b", layout]
+    cls = Gemma4UnifiedForConditionalGeneration if layout == "mm" else AutoModelForCausalLM
+    ref = cls.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    model = torchgemma.load(folder, dtype=dtype)
+    assert model.attention == "sdpa"
+    ids, mask = padded_batch(seed=7)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # what generate() passes
+    real = mask.bool()
+    with torch.no_grad():
+        assert torch.equal(model(ids[:1]), ref(input_ids=ids[:1]).logits)
+        theirs = ref(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        assert torch.equal(model(ids, attention_mask=mask)[real], theirs[real])
+    if layout == "mm":
+        pixels, positions, counts = tiny_images()
+        features = torch.randn(
+            1, 7, TINY_UNIFIED_AUDIO["audio_embed_dim"], generator=torch.Generator().manual_seed(8)
+        )
+        ids, types = media_prompt(seed=3, image_tokens=counts, audio_tokens=7)
+        inputs = dict(
+            pixel_values=pixels,
+            image_position_ids=positions,
+            input_features=features,
+            input_features_mask=torch.ones(1, 7, dtype=torch.bool),
+            mm_token_type_ids=types,
+        )
+        with torch.no_grad():
+            assert torch.equal(model(ids, **inputs), ref(input_ids=ids, **inputs).logits)

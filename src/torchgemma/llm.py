@@ -35,6 +35,7 @@ from .embedding import MODULES_FILE, SentenceHead, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
 from .processing import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
+from .processing.unified import prepare_unified_prompts
 from .processing.video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
 from .weights.loading import load
@@ -211,17 +212,37 @@ class LLM:
         if not images and not audio and not videos:
             input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
             return {"input_ids": input_ids, "attention_mask": mask}
-        prepared = prepare_media_prompts(
-            prompts,
-            self._media_tokens(images, audio, videos),
-            images,
-            audio,
-            self.max_soft_tokens,
-            videos=videos,
-            tokenizer=self.tokenizer,
-            video_soft_tokens=self.video_soft_tokens,
-            num_frames=self.video_num_frames,
-        )
+        tokens = self._media_tokens(images, audio, videos)
+        config = self.model.config
+        if config.model_type == "gemma4_unified":
+            # Patches and frames sized as the embedders take them (_media_tokens checked they exist).
+            vision, frames = config.unified_vision, config.unified_audio
+            prepared = prepare_unified_prompts(
+                prompts,
+                tokens,
+                images,
+                audio,
+                self.max_soft_tokens,
+                patch_size=vision.patch_size if vision else 16,
+                pooling_kernel_size=vision.pooling_kernel_size if vision else 3,
+                samples_per_token=frames.audio_embed_dim if frames else 640,
+                videos=videos,
+                tokenizer=self.tokenizer,
+                video_soft_tokens=self.video_soft_tokens,
+                num_frames=self.video_num_frames,
+            )
+        else:
+            prepared = prepare_media_prompts(
+                prompts,
+                tokens,
+                images,
+                audio,
+                self.max_soft_tokens,
+                videos=videos,
+                tokenizer=self.tokenizer,
+                video_soft_tokens=self.video_soft_tokens,
+                num_frames=self.video_num_frames,
+            )
         input_ids, mask = self._left_pad(prepared.pop("input_ids"), self.generation_config.pad_token_id or 0)
         types, _ = self._left_pad(prepared.pop("mm_token_type_ids"), 0)
         return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": types, **prepared}
@@ -479,18 +500,28 @@ class LLM:
         config = self.model.config
         vision = config.vision_config
         visual = "images" if images else "videos" if videos else None
-        if visual and vision is None:
+        if config.model_type == "gemma4_unified":
+            # Encoder-free embedders rather than towers (model/unified.py).
+            for given, embedder, kind in (
+                (images or videos, config.unified_vision, "vision"),
+                (audio, config.unified_audio, "audio"),
+            ):
+                if given and embedder is None:
+                    raise ValueError(
+                        f"this gemma4_unified checkpoint has no {kind}_config: it cannot take {kind} input"
+                    )
+        elif visual and vision is None:
             raise ValueError(
                 f"this checkpoint has no vision tower torchgemma builds ({self.model.towers_note}): "
                 f"it cannot take {visual}"
             )
-        if visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
+        elif visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
             raise ValueError(
                 f"image preprocessing makes {PATCH_SIZE} px patches pooled {POOLING_KERNEL}x{POOLING_KERNEL}, "
                 f"but this vision tower takes {vision.patch_size} px patches pooled "
                 f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
             )
-        if audio and config.audio_config is None:
+        if audio and config.audio_config is None and config.model_type != "gemma4_unified":
             raise ValueError(
                 f"this checkpoint has no audio tower torchgemma builds ({self.model.towers_note}): "
                 "it cannot take audio"

@@ -30,30 +30,32 @@ class ImageResizeTarget(NamedTuple):
     num_soft_tokens: int
 
 
-def image_resize_target(height: int, width: int, max_soft_tokens: int = 280) -> ImageResizeTarget:
+def image_resize_target(
+    height: int, width: int, max_soft_tokens: int = 280, *, side_multiple: int = SIDE_MULTIPLE
+) -> ImageResizeTarget:
     """The size an image of (height, width) is resized to, and how many soft tokens it becomes.
 
     The same float arithmetic as transformers' ``get_aspect_ratio_preserving_size``, so the result
-    is identical for every size (it decides the patch grid, so it must be).
+    is identical for every size (it decides the patch grid, so it must be). ``side_multiple``: pixels
+    per side of one soft token (patch size x pooling kernel; gemma4_unified's processor takes both).
     """
     _check_budget(max_soft_tokens)
     if height < 1 or width < 1:
         raise ValueError(f"image size must be positive, got {height}x{width}")
-    max_patches = max_soft_tokens * POOLING_KERNEL**2
-    target_pixels = max_patches * PATCH_SIZE**2
+    target_pixels = max_soft_tokens * side_multiple**2  # = max_patches * patch_size**2, exactly
     factor = math.sqrt(target_pixels / (height * width))
-    target_h = math.floor(factor * height / SIDE_MULTIPLE) * SIDE_MULTIPLE
-    target_w = math.floor(factor * width / SIDE_MULTIPLE) * SIDE_MULTIPLE
+    target_h = math.floor(factor * height / side_multiple) * side_multiple
+    target_w = math.floor(factor * width / side_multiple) * side_multiple
     if target_h == 0 and target_w == 0:  # unreachable for the supported budgets; kept as a guard
         raise ValueError(f"cannot resize a {height}x{width} image to a non-empty size")
     # Very elongated images: the short side gets one 48 px row/column, the long side keeps the
     # integer aspect ratio, capped so the whole budget is a single row of soft tokens.
-    max_side = max_soft_tokens * SIDE_MULTIPLE
+    max_side = max_soft_tokens * side_multiple
     if target_h == 0:
-        target_h, target_w = SIDE_MULTIPLE, min(math.floor(width / height) * SIDE_MULTIPLE, max_side)
+        target_h, target_w = side_multiple, min(math.floor(width / height) * side_multiple, max_side)
     elif target_w == 0:
-        target_h, target_w = min(math.floor(height / width) * SIDE_MULTIPLE, max_side), SIDE_MULTIPLE
-    num_soft_tokens = (target_h // SIDE_MULTIPLE) * (target_w // SIDE_MULTIPLE)
+        target_h, target_w = min(math.floor(height / width) * side_multiple, max_side), side_multiple
+    num_soft_tokens = (target_h // side_multiple) * (target_w // side_multiple)
     return ImageResizeTarget(target_h, target_w, num_soft_tokens)
 
 
@@ -208,11 +210,11 @@ def _to_uint8(rgb: np.ndarray) -> np.ndarray:
     return (rgb.astype(np.float64) * 255).astype(np.float32).astype(np.uint8)
 
 
-def _patchify(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(H, W, 3) -> patches (Hp*Wp, 16*16*3) in row-major order, each flattened as [py][px][c],
+def _patchify(pixels: np.ndarray, size: int = PATCH_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """(H, W, 3) -> patches (Hp*Wp, size*size*3) in row-major order, each flattened as [py][px][c],
     and their (x, y) = (column, row) positions."""
-    rows, cols = pixels.shape[0] // PATCH_SIZE, pixels.shape[1] // PATCH_SIZE
-    patches = pixels.reshape(rows, PATCH_SIZE, cols, PATCH_SIZE, 3).transpose(0, 2, 1, 3, 4)
-    patches = patches.reshape(rows * cols, PATCH_SIZE * PATCH_SIZE * 3)
+    rows, cols = pixels.shape[0] // size, pixels.shape[1] // size
+    patches = pixels.reshape(rows, size, cols, size, 3).transpose(0, 2, 1, 3, 4)
+    patches = patches.reshape(rows * cols, size * size * 3)
     y, x = np.divmod(np.arange(rows * cols), cols)
     return patches, np.stack([x, y], axis=-1)

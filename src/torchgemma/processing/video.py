@@ -89,8 +89,14 @@ def process_videos(
     videos: Sequence[VideoInput],
     num_frames: int | None = DEFAULT_NUM_FRAMES,
     max_soft_tokens: int = DEFAULT_VIDEO_SOFT_TOKENS,
+    *,
+    patch_size: int = PATCH_SIZE,
+    pooling_kernel_size: int = POOLING_KERNEL,
 ) -> dict[str, Any]:
     """Preprocess a list of videos for the vision tower (each item one video, see the module doc).
+
+    gemma4_unified's frames are k x k merged patches, which equal patches of the merged size taken
+    straight (processing/unified.py): ``patch_size=k*p, pooling_kernel_size=1`` gives them.
 
     Returns ``pixel_values_videos`` (total frames, max_patches, 768) float32 and
     ``video_position_ids`` (total frames, max_patches, 2) int64 — the frames of all videos one after
@@ -103,15 +109,17 @@ def process_videos(
         raise TypeError("process_videos takes a list of videos (one item per video)")
     if not videos:
         raise ValueError("process_videos needs at least one video")
-    max_patches = max_soft_tokens * POOLING_KERNEL**2
+    max_patches = max_soft_tokens * pooling_kernel_size**2
     pixels, positions, counts, soft_tokens, timestamps = [], [], [], [], []
     for video in videos:
         sampled = sample_video(video, num_frames)
-        frame_pixels, frame_positions = _frames_to_patches(sampled.frames, max_soft_tokens)
+        frame_pixels, frame_positions = _frames_to_patches(
+            sampled.frames, max_soft_tokens, patch_size, patch_size * pooling_kernel_size
+        )
         pixels.append(_pad(frame_pixels, max_patches, 0))
         positions.append(_pad(frame_positions, max_patches, -1))
         counts.append(len(sampled.indices))
-        soft_tokens.append(frame_pixels.shape[1] // POOLING_KERNEL**2)
+        soft_tokens.append(frame_pixels.shape[1] // pooling_kernel_size**2)
         timestamps.append(sampled.timestamps)
     return {
         "pixel_values_videos": torch.cat(pixels),
@@ -273,10 +281,16 @@ def _channels_first(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
 # --- Resize, rescale, patchify ----------------------------------------------------------------------
 
 
-def _frames_to_patches(frames: torch.Tensor, max_soft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, 3, H, W) uint8 -> patches (T, Hp*Wp, 768) float32 and their (x, y) positions (T, Hp*Wp, 2)."""
+def _frames_to_patches(
+    frames: torch.Tensor,
+    max_soft_tokens: int,
+    patch: int = PATCH_SIZE,
+    side: int = PATCH_SIZE * POOLING_KERNEL,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, 3, H, W) uint8 -> patches (T, Hp*Wp, 3·patch²) float32 and their (x, y) positions
+    (T, Hp*Wp, 2); frames resized to multiples of ``side`` px (one soft token)."""
     height, width = frames.shape[-2:]
-    target_h, target_w, _ = image_resize_target(height, width, max_soft_tokens)
+    target_h, target_w, _ = image_resize_target(height, width, max_soft_tokens, side_multiple=side)
     if (target_h, target_w) != (height, width):
         # torchvision's resize on a uint8 CPU tensor: torch's own uint8 bicubic kernel, antialiased.
         frames = torch.nn.functional.interpolate(
@@ -285,9 +299,9 @@ def _frames_to_patches(frames: torch.Tensor, max_soft_tokens: int) -> tuple[torc
     # The reference normalises with mean 0 and std 255 (1/255 folded in): a float32 division.
     pixels = frames.to(torch.float32) / torch.full((3, 1, 1), 255.0)
     # Row-major patches, each flattened as [py][px][c]; positions (x, y) = (column, row).
-    count, rows, cols = len(pixels), target_h // PATCH_SIZE, target_w // PATCH_SIZE
-    patches = pixels.reshape(count, 3, rows, PATCH_SIZE, cols, PATCH_SIZE).permute(0, 2, 4, 3, 5, 1)
-    patches = patches.reshape(count, rows * cols, PATCH_SIZE * PATCH_SIZE * 3)
+    count, rows, cols = len(pixels), target_h // patch, target_w // patch
+    patches = pixels.reshape(count, 3, rows, patch, cols, patch).permute(0, 2, 4, 3, 5, 1)
+    patches = patches.reshape(count, rows * cols, patch * patch * 3)
     index = torch.arange(rows * cols)
     positions = torch.stack((index % cols, index // cols), dim=-1).expand(count, -1, -1)
     return patches, positions
