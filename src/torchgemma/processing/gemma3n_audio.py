@@ -1,0 +1,127 @@
+"""Audio -> log-mel features for Gemma 3n's audio encoder.
+
+Matches transformers' ``Gemma3nAudioFeatureExtractor`` (5.23), defaults as published: 16 kHz mono,
+clips truncated to 30 s, the batch right-padded to the longest clip rounded up to 128 samples, frames
+of 513 samples every 160 (no left padding), HTK pre-emphasis (0.97) turning each into 512, periodic
+Hann window, |rfft| with n=1024 (twice the next power of two, "FFT overdrive"), an HTK mel filter
+bank (128 filters, 125-7600 Hz, no normalisation), ``log(max(mel, 1e-5))``, then optional per-bin
+mean and standard deviation. A frame is valid when its first sample is real audio; padded frames
+keep their values (the encoder masks them).
+
+Reading clips (arrays, tensors, files), resampling and the 30 s limit are Gemma 4's
+(``processing/audio.py``); only the spectrogram differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .audio import SAMPLING_RATE, AudioInput, _clip_at_16k, _pad_batch, _split_batch
+
+FRAME_LENGTH = 512  # 32 ms
+HOP_LENGTH = 160  # 10 ms
+FFT_LENGTH = 1024
+NUM_MEL_BINS = 128
+MIN_FREQUENCY = 125.0
+MAX_FREQUENCY = 7600.0
+PREEMPHASIS = 0.97
+MEL_FLOOR = 1e-5
+# One frame is FRAME_LENGTH + 1 samples (the first one feeds the pre-emphasis): shorter clips give
+# no frame, hence nothing for the encoder.
+MIN_SAMPLES = FRAME_LENGTH + 1
+# The processor puts this many audio placeholders per clip (30 s at 16 kHz: 2,997 frames, 750
+# after the encoder's two stride-2 convolutions, 188 after its reduction by 4).
+AUDIO_SEQ_LENGTH = 188
+
+
+def process_audio_gemma3n(
+    waveforms: AudioInput | Sequence[AudioInput],
+    sampling_rate: int = SAMPLING_RATE,
+    *,
+    per_bin_mean: Sequence[float] | None = None,
+    per_bin_stddev: Sequence[float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Log-mel features for one clip or a batch, as ``Gemma3nAudioFeatureExtractor`` returns them.
+
+    Clips are what ``process_audio`` takes (arrays, tensors, lists of floats, file paths; resampled
+    to 16 kHz). Returns ``input_features`` (B, T, 128) float32 and ``input_features_mask`` (B, T)
+    bool (True = the frame starts on real audio). ``per_bin_mean`` / ``per_bin_stddev``
+    (128 values each) are the preprocessor config's, when it has them. A clip under 513 samples at
+    16 kHz gives no frame and is refused.
+    """
+    clips = [_clip_at_16k(clip, sampling_rate, index) for index, clip in enumerate(_split_batch(waveforms))]
+    for index, clip in enumerate(clips):
+        if len(clip) < MIN_SAMPLES:
+            raise ValueError(
+                f"audio clip {index} is too short: {len(clip)} samples at 16 kHz; Gemma 3n's audio "
+                f"encoder needs at least {MIN_SAMPLES} (one 32 ms frame)"
+            )
+    mean = _per_bin(per_bin_mean, "per_bin_mean")
+    stddev = _per_bin(per_bin_stddev, "per_bin_stddev")
+    batch, sample_mask = _pad_batch(clips)
+    features, masks = [], []
+    for wave, mask in zip(batch, sample_mask):
+        feature, frame_mask = _log_mel(wave, mask, mean, stddev)
+        features.append(feature)
+        masks.append(frame_mask)
+    return {
+        "input_features": torch.from_numpy(np.stack(features)),
+        "input_features_mask": torch.from_numpy(np.stack(masks)),
+    }
+
+
+def _per_bin(values: Sequence[float] | None, name: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    if array.shape != (NUM_MEL_BINS,) or not np.isfinite(array).all():
+        raise ValueError(f"{name} must be {NUM_MEL_BINS} finite numbers, got shape {array.shape}")
+    return array.reshape(1, 1, NUM_MEL_BINS)
+
+
+def _log_mel(
+    wave: np.ndarray, sample_mask: np.ndarray, mean: np.ndarray | None, stddev: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One padded float32 clip (N,) -> features (T, 128) float32 and frame mask (T,) bool."""
+    # (1, T, 513), one clip at a time with a batch of one: the reference's exact array shapes.
+    frames = sliding_window_view(wave[None], FRAME_LENGTH + 1, axis=-1)[:, ::HOP_LENGTH]
+    # HTK pre-emphasis: the first sample scaled by 1 - 0.97, every next one less 0.97 x its predecessor.
+    first = frames[..., :1] * (1.0 - PREEMPHASIS)
+    rest = frames[..., 1:-1] - PREEMPHASIS * frames[..., :-2]
+    frames = np.concatenate([first, rest], axis=-1) * _hann_window()  # float32
+    spectrum = np.abs(np.fft.rfft(frames, n=FFT_LENGTH, axis=-1))  # float32 FFT, as numpy does there
+    log_mel = np.log(np.maximum(np.matmul(spectrum, _mel_filter_bank()), np.float64(MEL_FLOOR)))
+    if mean is not None:
+        log_mel = log_mel - mean
+    if stddev is not None:
+        log_mel = log_mel / stddev
+    log_mel = log_mel[0]
+    return log_mel.astype(np.float32), sample_mask[::HOP_LENGTH][: len(log_mel)]
+
+
+@lru_cache(maxsize=1)
+def _hann_window() -> np.ndarray:
+    """Periodic Hann window of 512 samples, float32 arguments (as the reference builds it)."""
+    n = np.arange(FRAME_LENGTH, dtype=np.float32)
+    return (0.5 * (1 - np.cos(2 * np.pi * n / FRAME_LENGTH))).astype(np.float32)
+
+
+@lru_cache(maxsize=1)
+def _mel_filter_bank() -> np.ndarray:
+    """(513, 128) float64 triangles on the HTK mel scale, 125-7600 Hz, peak 1; the bins' frequencies
+    are float32, as the reference computes them."""
+    bin_hz = np.arange(FFT_LENGTH // 2 + 1, dtype=np.float32) * (SAMPLING_RATE / FFT_LENGTH)
+    low = 2595.0 * math.log10(1.0 + MIN_FREQUENCY / 700.0)
+    high = 2595.0 * math.log10(1.0 + MAX_FREQUENCY / 700.0)
+    edges_hz = 700.0 * (10 ** (np.linspace(low, high, NUM_MEL_BINS + 2) / 2595.0) - 1.0)
+    widths = edges_hz[1:] - edges_hz[:-1]
+    slopes = edges_hz[None, :] - bin_hz[:, None]  # (513, 130)
+    rising = (-1.0 * slopes[:, :-2]) / widths[:-1]
+    falling = slopes[:, 2:] / widths[1:]
+    return np.maximum(np.zeros(1, dtype=np.float32), np.minimum(rising, falling))
