@@ -41,14 +41,20 @@ TEXT = dict(
     eos_token_id=[1, 106],
 )
 VISION = dict(hidden_size=24, vocab_size=20, vocab_offset=260)
+# Two conformer layers; attention chunks of 4 with 5 frames of left context (4 before) and 1 of
+# right context (published: 12, 13, 0), so that a second of audio spans several chunks; 128 mel
+# bins, as the feature extractor gives.
 AUDIO = dict(
     hidden_size=16,
     vocab_size=20,
     vocab_offset=280,
-    conf_num_hidden_layers=1,
+    conf_num_hidden_layers=2,
     conf_num_attention_heads=2,
-    sscp_conv_channel_size=[4, 4],
-    input_feat_size=16,
+    conf_attention_chunk_size=4,
+    conf_attention_context_left=5,
+    conf_attention_context_right=1,
+    sscp_conv_channel_size=[4, 3],
+    input_feat_size=128,
 )
 TOKEN_IDS = dict(
     boi_token_id=250,

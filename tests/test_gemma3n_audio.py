@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+import torchgemma
+from gemma3n_checkpoints import TOKEN_IDS, build, reference_model
+from torchgemma.generation import generate
 from torchgemma.processing.gemma3n_audio import process_audio_gemma3n
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,3 +57,125 @@ def test_bad_audio_is_named():
         process_audio_gemma3n(clips([400])[0])
     with pytest.raises(ValueError, match="per_bin_mean must be 128"):
         process_audio_gemma3n(clips([1000])[0], per_bin_mean=[0.0] * 3)
+
+
+# ── the encoder and the model with audio ────────────────────────────────────────────────────────
+
+DTYPES = [torch.float32, torch.bfloat16]
+BOA, EOA, AUDIO = TOKEN_IDS["boa_token_id"], TOKEN_IDS["eoa_token_id"], TOKEN_IDS["audio_token_id"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("gemma3n-audio") / "ckpt", multimodal=True, seed=61)
+
+
+@pytest.fixture(scope="module")
+def gen_checkpoint(tmp_path_factory):
+    """Small token embeddings: greedy continuations that vary."""
+    return build(
+        tmp_path_factory.mktemp("gemma3n-audio-gen") / "ckpt", multimodal=True, seed=62, embed_scale=0.05
+    )
+
+
+def aligned_reference(folder, dtype):
+    """transformers' model with every parameter copied to fresh (aligned) memory. Loaded in float32
+    its weights are views into the file at whatever offset, and MKL's result for one row (the audio
+    padding embedding, embedded alone) can depend on the weight's alignment by an ulp; torchgemma's
+    weights are aligned. Copies compute what the reference computes, free of that."""
+    model = reference_model(folder, dtype)
+    for param in model.parameters():
+        param.data = param.data.clone()
+    return model
+
+
+def features(lengths, seed=0):
+    """Log-mel features of random clips (the feature extractor's, itself checked above)."""
+    return process_audio_gemma3n(clips(lengths, seed=seed))
+
+
+def audio_prompts(num_soft: int = 188, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows, each text + boa + the clip's placeholders + eoa + text; the second left-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for width in (6, 3):
+        head = torch.randint(3, 250, (width,), generator=gen).tolist()
+        tail = torch.randint(3, 250, (4,), generator=gen).tolist()
+        rows.append(head + [BOA] + [AUDIO] * num_soft + [EOA] + tail)
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(2, length, dtype=torch.long)
+    mask = torch.zeros(2, length, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, length - len(row) :] = torch.tensor(row)
+        mask[b, length - len(row) :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encoder_equals_transformers(checkpoint, dtype):
+    ref = reference_model(checkpoint, dtype)
+    model = torchgemma.load(checkpoint, dtype=dtype, attention="eager")
+    # Three clips of one batch: whole, half padded, mostly padded (several attention chunks each).
+    mel = torch.randn(3, 160, 128, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(3, 160, dtype=torch.bool)
+    valid[1, 80:] = False
+    valid[2, 9:] = False
+    with torch.no_grad():
+        expected = ref.model.audio_tower(mel, ~valid)
+        got, got_valid = model.audio_tower(mel, valid)
+        expected_soft = ref.model.get_audio_features(mel, ~valid).pooler_output
+        got_soft = model.language_model.embed_audio.soft(got)
+    assert torch.equal(got_valid, ~expected.audio_mel_mask)
+    assert got.dtype == expected.last_hidden_state.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 0.0
+    assert (got.float() - expected.last_hidden_state.float()).abs().max().item() <= tolerance
+    assert (got_soft.float() - expected_soft.float()).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_logits_with_audio_equal_transformers(checkpoint, dtype):
+    ref = aligned_reference(checkpoint, dtype)
+    model = torchgemma.load(checkpoint, dtype=dtype, attention="eager")
+    ids, mask = audio_prompts(seed=3)
+    audio = features([16000, 7000], seed=4)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate numbers left-padded rows
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask, position_ids=positions, **audio).logits
+        got = model(ids, mask, **audio)
+    real = mask.bool()
+    tolerance = 1e-5 if dtype == torch.float32 else 0.0
+    assert (got[real].float() - expected[real].float()).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_greedy_with_audio_equals_transformers(gen_checkpoint, dtype):
+    ref = aligned_reference(gen_checkpoint, dtype)
+    model = torchgemma.load(gen_checkpoint, dtype=dtype, attention="eager")
+    ids, mask = audio_prompts(seed=5)
+    audio = features([12000, 20000], seed=6)
+    with torch.no_grad():
+        expected = ref.generate(
+            input_ids=ids, attention_mask=mask, **audio, max_new_tokens=8, do_sample=False, eos_token_id=None
+        )
+    got = generate(model, ids, attention_mask=mask, **audio, max_new_tokens=8, stop_token_ids=[])
+    assert got.tolist() == expected.tolist()
+    assert len(set(got[:, ids.shape[1] :].flatten().tolist())) > 1  # the continuation varies
+
+
+def test_audio_errors_are_named(checkpoint):
+    model = torchgemma.load(checkpoint)
+    ids, mask = audio_prompts(seed=7)
+    audio = features([16000], seed=8)
+    with pytest.raises(ValueError, match="audio features and audio tokens do not match"):
+        model(ids, mask, **audio)  # one clip, two rows of placeholders
+    with pytest.raises(ValueError, match="input_features_mask"):
+        model(ids[:1], mask[:1], input_features=audio["input_features"])
+    with pytest.raises(ValueError, match="audio features must be"):
+        model(
+            ids[:1],
+            mask[:1],
+            input_features=audio["input_features"][..., :16],
+            input_features_mask=audio["input_features_mask"],
+        )
+    with pytest.raises(ValueError, match="no vision tower"):
+        model(ids[:1], mask[:1], pixel_values=torch.zeros(1, 3, 8, 8), **features([16000], seed=8))
