@@ -94,12 +94,21 @@ def text_config(**changes):
     return Gemma3nTextConfig(**{**TEXT, **changes})
 
 
-def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float = 1.0, **changes) -> Path:
+def build(
+    folder: Path,
+    multimodal: bool,
+    *,
+    seed: int = 0,
+    embed_scale: float = 1.0,
+    token_ids: dict[str, int] | None = None,
+    **changes,
+) -> Path:
     """A ``gemma3n`` (multimodal layout) or ``gemma3n_text`` checkpoint with every parameter random.
 
     ``embed_scale`` < 1 shrinks the token embeddings, so that greedy continuations vary (with large
     tied embeddings every token predicts itself). ``changes`` go to the text config; the towers'
-    vocabularies take the last 40 ids of ``vocab_size``.
+    vocabularies take the last 40 ids of ``vocab_size``. ``token_ids`` override ``TOKEN_IDS`` (a
+    tokenizer's own media ids).
     """
     from transformers import Gemma3nAudioConfig, Gemma3nConfig, Gemma3nForCausalLM, Gemma3nVisionConfig
 
@@ -112,7 +121,7 @@ def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float =
             text_config=text_config(**changes).to_dict(),
             vision_config=Gemma3nVisionConfig(**{**VISION, "vocab_offset": media}).to_dict(),
             audio_config=Gemma3nAudioConfig(**{**AUDIO, "vocab_offset": media + 20}).to_dict(),
-            **TOKEN_IDS,
+            **{**TOKEN_IDS, **(token_ids or {})},
         )
         with vision_tower_stub():
             model = Gemma3nForConditionalGeneration(config)

@@ -179,3 +179,100 @@ def test_audio_errors_are_named(checkpoint):
         )
     with pytest.raises(ValueError, match="no vision tower"):
         model(ids[:1], mask[:1], pixel_values=torch.zeros(1, 3, 8, 8), **features([16000], seed=8))
+
+
+# ── the processor's prompts, LLM ────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def llm_folder(tmp_path_factory):
+    """A gemma3n checkpoint with the fixture tokenizer; its media ids are the tokenizer's."""
+    from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
+
+    folder = tmp_path_factory.mktemp("gemma3n-llm") / "ckpt"
+    write_gemma4_tokenizer(folder)
+    tok = torchgemma.load_tokenizer(folder)
+    ids = dict(boa_token_id=tok.audio_start_id, audio_token_id=tok.audio_id, eoa_token_id=tok.audio_end_id)
+    build(
+        folder,
+        multimodal=True,
+        seed=63,
+        embed_scale=0.1,
+        token_ids=ids,
+        vocab_size=VOCAB_SIZE,
+        vocab_size_per_layer_input=VOCAB_SIZE - 40,
+    )
+    return folder
+
+
+def reference_processor(folder):
+    from transformers import AutoTokenizer, Gemma3nAudioFeatureExtractor, Gemma3nProcessor
+    from transformers.models.siglip import SiglipImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return Gemma3nProcessor(
+        feature_extractor=Gemma3nAudioFeatureExtractor(),
+        image_processor=SiglipImageProcessorPil(),
+        tokenizer=tokenizer,
+        chat_template=(folder / "chat_template.jinja").read_text(),
+    )
+
+
+# The clip first: the processor's "\n\n" follows the template's "user\n" (the tokenizer splits "\n\n\n").
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "audio", "audio": clips([9000], seed=11)[0]},
+            {"type": "text", "text": "What is said?"},
+        ],
+    }
+]
+
+
+def test_llm_chat_inputs_equal_the_processor(llm_folder):
+    llm = torchgemma.LLM(llm_folder, progress=False)
+    processor = reference_processor(llm_folder)
+    ours = llm.chat_inputs(MESSAGES)
+    theirs = processor.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    assert ours["input_ids"].tolist() == theirs["input_ids"].tolist()
+    assert (ours["input_ids"] == llm.tokenizer.audio_id).sum() == 188
+    assert torch.equal(ours["input_features"], theirs["input_features"])
+    assert torch.equal(ours["input_features_mask"], theirs["input_features_mask"])
+
+
+def test_llm_raw_prompt_inputs_equal_the_processor(llm_folder):
+    llm = torchgemma.LLM(llm_folder, progress=False)
+    processor = reference_processor(llm_folder)
+    waves = clips([7000, 12000], seed=12)
+    prompt = "<bos>First\n<|audio|> then<|audio|>\nsecond"
+    ours = llm.inputs([llm._encode_prompt(prompt, waves)], audio=waves)
+    theirs = processor(text=[prompt], audio=waves, return_tensors="pt")
+    assert ours["input_ids"].tolist() == theirs["input_ids"].tolist()
+    assert torch.equal(ours["input_features"], theirs["input_features"])
+
+
+def test_llm_chat_with_audio_generates_like_transformers(llm_folder):
+    llm = torchgemma.LLM(llm_folder, attention="eager", progress=False)
+    processor = reference_processor(llm_folder)
+    ref = aligned_reference(llm_folder, torch.float32)
+    inputs = processor.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    inputs.pop("token_type_ids", None)
+    with torch.no_grad():
+        expected = ref.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = expected[0, inputs["input_ids"].shape[1] :].tolist()
+    got = llm.chat(MESSAGES, max_new_tokens=8, stop_token_ids=[])
+    assert list(got.token_ids) == expected
+    assert len(set(expected)) > 1
+
+
+def test_llm_refuses_images_and_unexpanded_prompts(llm_folder):
+    llm = torchgemma.LLM(llm_folder, progress=False)
+    with pytest.raises(ValueError, match="not its vision tower"):
+        llm.inputs([llm.encode("<|image|>")], images=[np.zeros((8, 8, 3), np.uint8)])
+    with pytest.raises(ValueError, match="188 each"):
+        llm.inputs([llm.encode("<|audio|>")], audio=clips([4000]))

@@ -14,9 +14,11 @@ Reading clips (arrays, tensors, files), resampling and the 30 s limit are Gemma 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,3 +127,37 @@ def _mel_filter_bank() -> np.ndarray:
     rising = (-1.0 * slopes[:, :-2]) / widths[:-1]
     falling = slopes[:, 2:] / widths[1:]
     return np.maximum(np.zeros(1, dtype=np.float32), np.minimum(rising, falling))
+
+
+# ── prompts: what Gemma3nProcessor writes for each clip ─────────────────────────────────────────
+
+
+def audio_sequence(tokenizer: Any, soft_tokens: int = AUDIO_SEQ_LENGTH) -> str:
+    """The text Gemma3nProcessor puts in place of each audio placeholder: ``"\\n\\n"`` + the
+    start-of-audio token + ``soft_tokens`` placeholders + the end-of-audio token + ``"\\n\\n"``. The
+    whole prompt is then tokenized at once, so the newlines merge with their neighbours as there."""
+    audio, start, end = (
+        tokenizer.backend.id_to_token(i)
+        for i in (tokenizer.audio_id, tokenizer.audio_start_id, tokenizer.audio_end_id)
+    )
+    return f"\n\n{start}{audio * soft_tokens}{end}\n\n"
+
+
+def expand_audio_text(text: str, tokenizer: Any, soft_tokens: int = AUDIO_SEQ_LENGTH) -> str:
+    """A raw prompt with every audio placeholder expanded as Gemma3nProcessor does."""
+    audio = tokenizer.backend.id_to_token(tokenizer.audio_id)
+    return text.replace(audio, audio_sequence(tokenizer, soft_tokens))
+
+
+def expand_audio_in_template(template: str, tokenizer: Any, soft_tokens: int = AUDIO_SEQ_LENGTH) -> str:
+    """A chat template whose own audio placeholder literal (``'<audio_soft_token>'``, as Gemma 3n's
+    template writes an audio item) renders expanded: the rendered text is then what the processor
+    tokenizes, and a placeholder typed in a message stays what sanitizing makes of it."""
+    audio = tokenizer.backend.id_to_token(tokenizer.audio_id)
+    literal = json.dumps(audio_sequence(tokenizer, soft_tokens))  # a valid Jinja string literal
+    expanded = template
+    for quote in ("'", '"'):
+        expanded = expanded.replace(f"{quote}{audio}{quote}", literal)
+    if expanded == template:
+        raise ValueError(f"the chat template writes no {audio!r} for audio items: cannot place audio")
+    return expanded
