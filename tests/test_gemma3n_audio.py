@@ -276,3 +276,32 @@ def test_llm_refuses_images_and_unexpanded_prompts(llm_folder):
         llm.inputs([llm.encode("<|image|>")], images=[np.zeros((8, 8, 3), np.uint8)])
     with pytest.raises(ValueError, match="188 each"):
         llm.inputs([llm.encode("<|audio|>")], audio=clips([4000]))
+
+
+def test_cli_generate_with_audio_equals_transformers(llm_folder, tmp_path, capsys):
+    import json
+    import wave
+
+    from torchgemma.cli import main
+    from torchgemma.processing.audio import load_audio
+
+    path = tmp_path / "clip.wav"
+    samples = (clips([8000], seed=13)[0].clip(-1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(16000)
+        file.writeframes(samples.tobytes())
+    argv = ["generate", "--model", str(llm_folder), "--audio", str(path), "--temperature", "0"]
+    assert main([*argv, "--max-new-tokens", "6", "--json", "Say:"]) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+
+    processor = reference_processor(llm_folder)
+    inputs = processor(text=["<bos>Say:<|audio|>"], audio=[load_audio(path)[0]], return_tensors="pt")
+    inputs.pop("token_type_ids", None)
+    with torch.no_grad():
+        expected = aligned_reference(llm_folder, torch.float32).generate(
+            **inputs, max_new_tokens=6, do_sample=False, eos_token_id=None
+        )
+    assert got == expected[0, inputs["input_ids"].shape[1] :].tolist()[: len(got)]
+    assert len(got) > 0
