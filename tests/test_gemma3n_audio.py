@@ -177,6 +177,12 @@ def test_audio_errors_are_named(checkpoint):
             input_features=audio["input_features"][..., :16],
             input_features_mask=audio["input_features_mask"],
         )
+    too_long = {
+        "input_features": torch.zeros(1, 3100, 128),
+        "input_features_mask": torch.ones(1, 3100, dtype=torch.bool),
+    }
+    with pytest.raises(ValueError, match="more than the 188 placeholders"):
+        model(ids[:1], mask[:1], **too_long)
     with pytest.raises(ValueError, match="no vision tower"):
         model(ids[:1], mask[:1], pixel_values=torch.zeros(1, 3, 8, 8), **features([16000], seed=8))
 
