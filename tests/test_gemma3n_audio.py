@@ -311,3 +311,30 @@ def test_cli_generate_with_audio_equals_transformers(llm_folder, tmp_path, capsy
         )
     assert got == expected[0, inputs["input_ids"].shape[1] :].tolist()[: len(got)]
     assert len(got) > 0
+
+
+def test_llm_reads_the_feature_extractor_config(llm_folder, tmp_path):
+    """Per-bin normalisation from preprocessor_config.json, as the processor loaded from the folder;
+    settings computed otherwise are refused by name."""
+    import json
+    import shutil
+
+    from transformers import Gemma3nAudioFeatureExtractor
+
+    folder = tmp_path / "normalised"
+    shutil.copytree(llm_folder, folder)
+    rng = np.random.default_rng(14)
+    extractor = Gemma3nAudioFeatureExtractor(
+        per_bin_mean=rng.standard_normal(128), per_bin_stddev=rng.random(128) + 0.5
+    )
+    extractor.save_pretrained(folder)
+    llm = torchgemma.LLM(folder, progress=False)
+    waves = clips([6000], seed=15)
+    ours = llm.inputs([llm._encode_prompt("<|audio|>", waves)], audio=waves)
+    theirs = Gemma3nAudioFeatureExtractor.from_pretrained(folder)(waves, return_tensors="pt")
+    assert torch.equal(ours["input_features"], theirs["input_features"])
+
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**config, "dither": 1e-4}))
+    with pytest.raises(ValueError, match="dither is 0.0001"):
+        llm.inputs([llm._encode_prompt("<|audio|>", waves)], audio=waves)

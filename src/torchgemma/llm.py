@@ -510,7 +510,9 @@ class LLM:
                 "(LLM.chat and LLM.generate do this; see processing.gemma3n_audio.expand_audio_text)"
             )
         input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
-        return {"input_ids": input_ids, "attention_mask": mask, **gemma3n_audio.process_audio_gemma3n(audio)}
+        settings = gemma3n_audio.feature_settings(self.folder) if self.folder.is_dir() else {}
+        features = gemma3n_audio.process_audio_gemma3n(audio, **settings)
+        return {"input_ids": input_ids, "attention_mask": mask, **features}
 
     def _media_tokens(self, images: list, audio: list, videos: list = ()) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""

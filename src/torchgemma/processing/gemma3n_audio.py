@@ -18,6 +18,7 @@ import json
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,8 @@ def process_audio_gemma3n(
 def _per_bin(values: Sequence[float] | None, name: str) -> np.ndarray | None:
     if values is None:
         return None
-    array = np.asarray(values, dtype=np.float64)
-    if array.shape != (NUM_MEL_BINS,) or not np.isfinite(array).all():
+    array = np.asarray(values, dtype=np.float64)  # any shape of 128 values, as the reference reshapes
+    if array.size != NUM_MEL_BINS or not np.isfinite(array).all():
         raise ValueError(f"{name} must be {NUM_MEL_BINS} finite numbers, got shape {array.shape}")
     return array.reshape(1, 1, NUM_MEL_BINS)
 
@@ -161,3 +162,47 @@ def expand_audio_in_template(template: str, tokenizer: Any, soft_tokens: int = A
     if expanded == template:
         raise ValueError(f"the chat template writes no {audio!r} for audio items: cannot place audio")
     return expanded
+
+
+# ── the checkpoint's feature extractor config ───────────────────────────────────────────────────
+
+# What process_audio_gemma3n computes, in the keys transformers saves (preprocessor_config.json).
+SUPPORTED_SETTINGS: dict[str, Any] = {
+    "feature_size": NUM_MEL_BINS,
+    "sampling_rate": SAMPLING_RATE,
+    "padding_value": 0.0,
+    "padding_side": "right",
+    "frame_length": FRAME_LENGTH,
+    "hop_length": HOP_LENGTH,
+    "frame_length_ms": 32.0,
+    "hop_length_ms": 10.0,
+    "fft_length": FFT_LENGTH,
+    "fft_overdrive": True,
+    "min_frequency": MIN_FREQUENCY,
+    "max_frequency": MAX_FREQUENCY,
+    "preemphasis": PREEMPHASIS,
+    "preemphasis_htk_flavor": True,
+    "dither": 0.0,
+    "input_scale_factor": 1.0,
+    "mel_floor": MEL_FLOOR,
+}
+
+
+def feature_settings(folder: Path) -> dict[str, Any]:
+    """``process_audio_gemma3n``'s keyword arguments from a checkpoint folder's feature extractor
+    config (``preprocessor_config.json``, or ``processor_config.json``'s ``feature_extractor``): the
+    per-bin mean and standard deviation. A setting other than the ones computed here (another
+    frame length, dithering, ...) is refused by name rather than silently ignored."""
+    config: dict[str, Any] = {}
+    nested, alone = folder / "processor_config.json", folder / "preprocessor_config.json"
+    if nested.is_file():
+        config = json.loads(nested.read_text(encoding="utf-8")).get("feature_extractor") or {}
+    if not config and alone.is_file():
+        config = json.loads(alone.read_text(encoding="utf-8"))
+    for key, value in SUPPORTED_SETTINGS.items():
+        if config.get(key) is not None and config[key] != value:
+            raise ValueError(
+                f"{folder}: the audio feature extractor's {key} is {config[key]!r}; torchgemma computes "
+                f"Gemma 3n's features with {key}={value!r} only"
+            )
+    return {"per_bin_mean": config.get("per_bin_mean"), "per_bin_stddev": config.get("per_bin_stddev")}
