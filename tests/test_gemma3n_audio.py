@@ -55,6 +55,8 @@ def test_per_bin_normalisation_equals_transformers():
 def test_bad_audio_is_named():
     with pytest.raises(ValueError, match="too short.*513"):
         process_audio_gemma3n(clips([400])[0])
+    with pytest.raises(ValueError, match="clip 1 is too short.*513"):
+        process_audio_gemma3n(clips([1000, 100]))
     with pytest.raises(ValueError, match="per_bin_mean must be 128"):
         process_audio_gemma3n(clips([1000])[0], per_bin_mean=[0.0] * 3)
 
@@ -260,10 +262,11 @@ def test_llm_raw_prompt_inputs_equal_the_processor(llm_folder):
     assert torch.equal(ours["input_features"], theirs["input_features"])
 
 
-def test_llm_chat_with_audio_generates_like_transformers(llm_folder):
-    llm = torchgemma.LLM(llm_folder, attention="eager", progress=False)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_llm_chat_with_audio_generates_like_transformers(llm_folder, dtype):
+    llm = torchgemma.LLM(llm_folder, dtype=dtype, attention="eager", progress=False)
     processor = reference_processor(llm_folder)
-    ref = aligned_reference(llm_folder, torch.float32)
+    ref = aligned_reference(llm_folder, dtype)
     inputs = processor.apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )

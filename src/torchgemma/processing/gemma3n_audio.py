@@ -58,13 +58,18 @@ def process_audio_gemma3n(
     (128 values each) are the preprocessor config's, when it has them. A clip under 513 samples at
     16 kHz gives no frame and is refused.
     """
-    clips = [_clip_at_16k(clip, sampling_rate, index) for index, clip in enumerate(_split_batch(waveforms))]
-    for index, clip in enumerate(clips):
-        if len(clip) < MIN_SAMPLES:
-            raise ValueError(
-                f"audio clip {index} is too short: {len(clip)} samples at 16 kHz; Gemma 3n's audio "
-                f"encoder needs at least {MIN_SAMPLES} (one 32 ms frame)"
-            )
+    clips = []
+    for index, clip in enumerate(_split_batch(waveforms)):
+        need = f"Gemma 3n's audio encoder needs at least {MIN_SAMPLES} samples at 16 kHz (one 32 ms frame)"
+        try:
+            wave = _clip_at_16k(clip, sampling_rate, index)
+        except ValueError as error:
+            if "too short" in str(error):  # under Gemma 4's minimum, which reading checks
+                raise ValueError(f"audio clip {index} is too short: {need}") from error
+            raise
+        if len(wave) < MIN_SAMPLES:
+            raise ValueError(f"audio clip {index} is too short ({len(wave)} samples): {need}")
+        clips.append(wave)
     mean = _per_bin(per_bin_mean, "per_bin_mean")
     stddev = _per_bin(per_bin_stddev, "per_bin_stddev")
     batch, sample_mask = _pad_batch(clips)
