@@ -259,7 +259,9 @@ class Gemma(nn.Module):
         ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
         on bidirectional attention inside each image and each video frame on sliding layers, for
         checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the
-        prompt only.
+        prompt only. Gemma 3n: ``input_features`` / ``input_features_mask`` as
+        ``Gemma3nAudioFeatureExtractor`` returns them; each clip fills ``audio_soft_tokens_per_image``
+        (188) audio placeholders, in order.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
