@@ -41,14 +41,20 @@ TEXT = dict(
     eos_token_id=[1, 106],
 )
 VISION = dict(hidden_size=24, vocab_size=20, vocab_offset=260)
+# Two conformer layers; attention chunks of 4 with 5 frames of left context (4 before) and 1 of
+# right context (published: 12, 13, 0), so that a second of audio spans several chunks; 128 mel
+# bins, as the feature extractor gives.
 AUDIO = dict(
     hidden_size=16,
     vocab_size=20,
     vocab_offset=280,
-    conf_num_hidden_layers=1,
+    conf_num_hidden_layers=2,
     conf_num_attention_heads=2,
-    sscp_conv_channel_size=[4, 4],
-    input_feat_size=16,
+    conf_attention_chunk_size=4,
+    conf_attention_context_left=5,
+    conf_attention_context_right=1,
+    sscp_conv_channel_size=[4, 3],
+    input_feat_size=128,
 )
 TOKEN_IDS = dict(
     boi_token_id=250,
@@ -88,12 +94,21 @@ def text_config(**changes):
     return Gemma3nTextConfig(**{**TEXT, **changes})
 
 
-def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float = 1.0, **changes) -> Path:
+def build(
+    folder: Path,
+    multimodal: bool,
+    *,
+    seed: int = 0,
+    embed_scale: float = 1.0,
+    token_ids: dict[str, int] | None = None,
+    **changes,
+) -> Path:
     """A ``gemma3n`` (multimodal layout) or ``gemma3n_text`` checkpoint with every parameter random.
 
     ``embed_scale`` < 1 shrinks the token embeddings, so that greedy continuations vary (with large
     tied embeddings every token predicts itself). ``changes`` go to the text config; the towers'
-    vocabularies take the last 40 ids of ``vocab_size``.
+    vocabularies take the last 40 ids of ``vocab_size``. ``token_ids`` override ``TOKEN_IDS`` (a
+    tokenizer's own media ids).
     """
     from transformers import Gemma3nAudioConfig, Gemma3nConfig, Gemma3nForCausalLM, Gemma3nVisionConfig
 
@@ -106,7 +121,7 @@ def build(folder: Path, multimodal: bool, *, seed: int = 0, embed_scale: float =
             text_config=text_config(**changes).to_dict(),
             vision_config=Gemma3nVisionConfig(**{**VISION, "vocab_offset": media}).to_dict(),
             audio_config=Gemma3nAudioConfig(**{**AUDIO, "vocab_offset": media + 20}).to_dict(),
-            **TOKEN_IDS,
+            **{**TOKEN_IDS, **(token_ids or {})},
         )
         with vision_tower_stub():
             model = Gemma3nForConditionalGeneration(config)

@@ -265,13 +265,18 @@ def test_media_vocabulary_must_fit_its_table(checkpoints):
         ModelConfig.from_hf(data)
 
 
-def test_towers_are_not_built(checkpoints):
+def test_vision_tower_is_not_built(checkpoints):
+    """The audio tower and its soft tokens' norm are built (tests/test_gemma3n_audio.py); the
+    vision tower and its soft tokens' norm are not."""
     model = torchgemma.load(checkpoints["gemma3n"])
     names = [name for name, _ in model.named_parameters()]
-    assert not any(name.startswith(("vision_tower", "audio_tower")) for name in names)
+    assert not any(name.startswith("vision_tower") for name in names)
+    assert any(name.startswith("audio_tower") for name in names)
     assert "language_model.embed_vision.embedding.weight" in names
-    assert not any("soft_embedding_norm" in name for name in names)
-    with pytest.raises(ValueError, match="no towers"):
+    assert [n for n in names if "soft_embedding_norm" in n] == [
+        "language_model.embed_audio.soft_embedding_norm.weight"
+    ]
+    with pytest.raises(ValueError, match="not its vision tower"):
         model(torch.tensor([[4, 5]]), pixel_values=torch.zeros(1, 3, 8, 8))
 
 
@@ -283,14 +288,15 @@ def test_kv_shared_layers_own_no_kv_weights(checkpoints):
 
 
 def test_save_writes_the_checkpoint_names(checkpoints, tmp_path):
-    """torchgemma.save writes the tensors it loaded under their own names (the towers and their
-    soft-token norms, never loaded, are left out), and the saved folder loads to the same logits."""
+    """torchgemma.save writes the tensors it loaded under their own names (the vision tower and its
+    soft-token norm, never loaded, are left out), and the saved folder loads to the same logits."""
     from safetensors import safe_open
 
     model = torchgemma.load(checkpoints["gemma3n"], attention="eager")
     torchgemma.save(model, tmp_path)
     with safe_open(checkpoints["gemma3n"] / "model.safetensors", "pt") as f:
-        published = {k for k in f.keys() if "_tower." not in k and "soft_embedding_norm" not in k}  # noqa: SIM118
+        unbuilt = ("model.vision_tower.", "model.embed_vision.soft")
+        published = {k for k in f.keys() if not k.startswith(unbuilt)}  # noqa: SIM118
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert set(f.keys()) == published
     ids, mask = padded_batch(seed=9)
@@ -307,8 +313,10 @@ def test_normal_quantile_is_torch_distributions(p):
 
 # transformers' own parameter counts for the published configs (Gemma3nForCausalLM: the tied head
 # counted once): what torchgemma builds and `info` reports. Google's raw counts (about 5B and 8B)
-# also hold the MobileNet-V5 and audio towers, which neither counts here.
+# also hold the MobileNet-V5 and audio towers: the audio tower is counted with the multimodal layout.
 PUBLISHED_TEXT_TOTALS = {"e2b": 4_435_182_688, "e4b": 6_835_235_568}
+# transformers' count of Gemma3nAudioEncoder with the published audio config (both sizes).
+PUBLISHED_AUDIO_TOWER = 681_348_640
 
 
 @pytest.mark.parametrize("name", list(GEMMA3N_PUBLISHED))
@@ -330,17 +338,22 @@ def test_info_counts_the_published_configs_as_transformers(name):
     assert (info["layers"], info["kv_shared_layers"]) == (layers, text["num_kv_shared_layers"])
     assert info["towers_not_built"] == []
 
-    # The multimodal layout adds the towers' token-id embedders; the towers are named, not counted.
+    # The multimodal layout adds the towers' token-id embedders and the audio tower (counted as
+    # transformers counts it); the vision tower is named, not counted.
     data = gemma3n_multimodal(text)
     info = describe(ModelConfig.from_hf(data))
     with vision_tower_stub(), torch.device("meta"):
         ref = Gemma3nForConditionalGeneration(Gemma3nConfig.from_dict(data))
     built = [
-        p.numel() for n, p in ref.named_parameters() if "_tower." not in n and "soft_embedding_norm" not in n
+        p.numel()
+        for n, p in ref.named_parameters()
+        if not n.startswith(("model.vision_tower.", "model.embed_vision.soft_embedding_norm"))
     ]
     assert info["params_total"] == sum(built)
-    assert info["towers_not_built"] == ["vision", "audio"]
-    assert "vision and audio towers: not built" in format_report(info)
+    audio = sum(p.numel() for p in ref.model.audio_tower.parameters())
+    assert info["params_by_tower"]["audio"] == audio == PUBLISHED_AUDIO_TOWER
+    assert info["towers_not_built"] == ["vision"]
+    assert "the vision tower: not built" in format_report(info)
 
 
 def test_info_kv_cache_is_what_the_cache_allocates(checkpoints):

@@ -337,12 +337,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = _load_llm(args)
     load_seconds = time.perf_counter() - start
+    if args.audio and llm.model.config.gemma3n_audio is not None:
+        # Gemma 3n's tokenizer spells its audio placeholder its own way (<audio_soft_token>).
+        prompt = prompt.replace(AUDIO_PLACEHOLDER, llm.tokenizer.backend.id_to_token(llm.tokenizer.audio_id))
     stats = GenerationStats()
     options = dict(images=args.image, audio=args.audio, videos=args.video)
     options.update(max_new_tokens=args.max_new_tokens, stats=stats)
     options.update(_sampling(args, llm))
     if args.json:
-        ids = llm.generate_ids([llm.encode(prompt)], **options)[0]
+        ids = llm.generate_ids([llm._encode_prompt(prompt, args.audio)], **options)[0]
         print(json.dumps(_json_result(llm, ids, stats, load_seconds), ensure_ascii=False), flush=True)
         return 0
     for piece in llm.stream(prompt, **options):

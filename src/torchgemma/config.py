@@ -280,6 +280,8 @@ class MediaVocabulary:
     size: int
     hidden_size: int
     rms_norm_eps: float
+    # Also embeds a built tower's soft tokens (Gemma 3n's audio conformer): a soft_embedding_norm.
+    soft_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,45 @@ class UnifiedAudioConfig:
 
 
 @dataclass(frozen=True)
+class Gemma3nAudioConfig:
+    """Gemma 3n's audio encoder (a USM conformer) and how its soft tokens enter the prompt."""
+
+    input_feat_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    conv_kernel_size: int
+    reduction_factor: int
+    residual_weight: float
+    attention_chunk_size: int
+    attention_context_left: int
+    attention_context_right: int
+    attention_logit_cap: float
+    gradient_clipping: float
+    rms_norm_eps: float
+    # The two subsampling convolutions: output channels, (time, frequency) kernels and strides.
+    conv_channels: tuple[int, int]
+    conv_kernels: tuple[tuple[int, int], tuple[int, int]]
+    conv_strides: tuple[tuple[int, int], tuple[int, int]]
+    conv_group_norm_eps: float
+    # Every clip fills this many placeholders (audio_token_id), its padding with embed_audio's last row.
+    soft_tokens_per_clip: int
+    audio_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_past_horizon(self) -> int:
+        return max(0, self.attention_context_left - 1)
+
+    @property
+    def context_right(self) -> int:
+        return self.attention_context_right
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A whole checkpoint: the text decoder plus, for ``gemma4``, its vision and audio towers."""
 
@@ -447,6 +488,8 @@ class ModelConfig:
     # gemma4_unified: the encoder-free image and audio embedders (no vision or audio tower).
     unified_vision: UnifiedVisionConfig | None = None
     unified_audio: UnifiedAudioConfig | None = None
+    # gemma3n: its audio conformer (its MobileNet-V5 vision tower is not built).
+    gemma3n_audio: Gemma3nAudioConfig | None = None
     # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
     # has_mins}}} (config.json's "quantization_config", quant_method "torchgemma").
     quantization: dict | None = None
@@ -485,6 +528,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; torchgemma builds {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         media: tuple[MediaVocabulary, ...] = ()
+        gemma3n_audio = None
         unified = model_type in UNIFIED_MODEL_TYPES
         if model_type in ("gemma4", "gemma3", "gemma3n", "gemma4_unified"):
             text_data = data.get("text_config")
@@ -506,9 +550,10 @@ class ModelConfig:
                 # Only Gemma 3's text model is built; its (SigLIP) vision tower is not.
                 vision, audio, token_ids = None, None, {}
             elif model_type == "gemma3n":
-                # Gemma 3n's towers (MobileNet-V5, its own conformer) are not built; the embedders'
-                # token tables are, as text-only prompts and generated ids may use those ids.
+                # Gemma 3n's audio conformer is built, its MobileNet-V5 vision tower is not; both
+                # embedders' token tables are, as text-only prompts and generated ids may use those ids.
                 media = _media_vocabularies(vision, audio)
+                gemma3n_audio = _gemma3n_audio_from_hf(audio, data)
                 vision, audio, token_ids = None, None, {}
         else:
             text_data, vision, audio, token_ids = data, None, None, {}
@@ -537,6 +582,7 @@ class ModelConfig:
             audio_config=None if audio is None or unified else _audio_config_from_hf(audio),
             unified_vision=_unified_vision_from_hf(vision) if unified and vision is not None else None,
             unified_audio=_unified_audio_from_hf(audio) if unified and audio is not None else None,
+            gemma3n_audio=gemma3n_audio,
             quantization=_quantization_from_hf(data.get("quantization_config")),
             source=data,
         )
@@ -874,8 +920,99 @@ def _media_vocabularies(vision: Any, audio: Any) -> tuple[MediaVocabulary, ...]:
             )
         )
     # transformers: vision ids run up to the first audio id; audio ids are every id from there.
+    # The audio tower is built, its soft tokens go through embed_audio; the vision tower is not.
     vision, audio = out
-    return (dataclasses.replace(vision, end=audio.offset), audio)
+    return (dataclasses.replace(vision, end=audio.offset), dataclasses.replace(audio, soft_tokens=True))
+
+
+# transformers' Gemma3nAudioConfig defaults (the published E2B/E4B conformer) for omitted fields.
+GEMMA3N_AUDIO_DEFAULTS: dict[str, Any] = {
+    "input_feat_size": 128,
+    "hidden_size": 1536,
+    "rms_norm_eps": 1e-6,
+    "gradient_clipping": 1e10,
+    "conf_attention_chunk_size": 12,
+    "conf_attention_context_left": 13,
+    "conf_attention_context_right": 0,
+    "conf_attention_logit_cap": 50.0,
+    "conf_num_attention_heads": 8,
+    "conf_num_hidden_layers": 12,
+    "conf_conv_kernel_size": 5,
+    "conf_reduction_factor": 4,
+    "conf_residual_weight": 0.5,
+    "sscp_conv_channel_size": [128, 32],
+    "sscp_conv_group_norm_eps": 1e-3,
+    "sscp_conv_kernel_size": [[3, 3], [3, 3]],
+    "sscp_conv_stride_size": [[2, 2], [2, 2]],
+}
+
+
+def _gemma3n_audio_from_hf(data: Any, top: dict) -> Gemma3nAudioConfig:
+    """Gemma 3n's audio_config (null: transformers' defaults) and the top level's audio fields."""
+    where = "audio_config"
+    a = {**GEMMA3N_AUDIO_DEFAULTS, **{k: v for k, v in (data or {}).items() if v is not None}}
+    numbers = {
+        "rms_norm_eps": POSITIVE,
+        "gradient_clipping": POSITIVE,
+        "conf_attention_logit_cap": POSITIVE,
+        "conf_residual_weight": FINITE,
+        "sscp_conv_group_norm_eps": POSITIVE,
+    }
+    _check_numbers(a, numbers, where)
+    ints = {
+        key: _positive_int(a, key, where)
+        for key in (
+            "input_feat_size",
+            "hidden_size",
+            "conf_num_hidden_layers",
+            "conf_num_attention_heads",
+            "conf_conv_kernel_size",
+            "conf_reduction_factor",
+            "conf_attention_chunk_size",
+            "conf_attention_context_left",
+        )
+    }
+    right = _positive_int(a, "conf_attention_context_right", where, minimum=0)
+    if ints["hidden_size"] % ints["conf_num_attention_heads"]:
+        raise ConfigError(f"{where}: hidden_size must be a multiple of conf_num_attention_heads")
+
+    def pairs(key: str, count: int, depth: int) -> tuple:
+        value = a[key]
+        ok = isinstance(value, list | tuple) and len(value) == count
+        if ok and depth == 2:
+            ok = all(isinstance(v, list | tuple) and len(v) == 2 for v in value)
+        flat = [x for v in value for x in (v if depth == 2 else [v])] if ok else []
+        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in flat):
+            shape = "two positive ints" if depth == 1 else "two [time, frequency] pairs of positive ints"
+            raise ConfigError(f"{where}: {key} must be {shape}, got {value!r}")
+        return tuple(tuple(v) for v in value) if depth == 2 else tuple(value)
+
+    top = {k: v for k, v in top.items() if v is not None}
+    soft = _positive_int(
+        {"n": top.get("audio_soft_tokens_per_image", 188)}, "n", "audio_soft_tokens_per_image"
+    )
+    token = _positive_int({"id": top.get("audio_token_id", 262_273)}, "id", "audio_token_id", minimum=0)
+    return Gemma3nAudioConfig(
+        input_feat_size=ints["input_feat_size"],
+        hidden_size=ints["hidden_size"],
+        num_hidden_layers=ints["conf_num_hidden_layers"],
+        num_attention_heads=ints["conf_num_attention_heads"],
+        conv_kernel_size=ints["conf_conv_kernel_size"],
+        reduction_factor=ints["conf_reduction_factor"],
+        residual_weight=float(a["conf_residual_weight"]),
+        attention_chunk_size=ints["conf_attention_chunk_size"],
+        attention_context_left=ints["conf_attention_context_left"],
+        attention_context_right=right,
+        attention_logit_cap=float(a["conf_attention_logit_cap"]),
+        gradient_clipping=float(a["gradient_clipping"]),
+        rms_norm_eps=float(a["rms_norm_eps"]),
+        conv_channels=pairs("sscp_conv_channel_size", 2, 1),
+        conv_kernels=pairs("sscp_conv_kernel_size", 2, 2),
+        conv_strides=pairs("sscp_conv_stride_size", 2, 2),
+        conv_group_norm_eps=float(a["sscp_conv_group_norm_eps"]),
+        soft_tokens_per_clip=soft,
+        audio_token_id=token,
+    )
 
 
 def _check_media(media: tuple[MediaVocabulary, ...], vocab_size: int) -> tuple[MediaVocabulary, ...]:

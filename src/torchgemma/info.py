@@ -193,13 +193,10 @@ def describe(
     moe = text.num_experts is not None
     kv_layers = [s for s in text.layers if s.kv_role != "reuse"]
     # Towers config.json describes that torchgemma does not build (Gemma 3's SigLIP, Gemma 3n's
-    # MobileNet-V5 and conformer): not counted.
+    # MobileNet-V5): not counted. Gemma 3n's conformer is built (config.gemma3n_audio).
     source = config.source or {}
-    unbuilt = [
-        name
-        for name in ("vision", "audio")
-        if source.get(f"{name}_config") and getattr(config, f"{name}_config") is None
-    ]
+    built = {"vision": config.vision_config, "audio": config.audio_config or config.gemma3n_audio}
+    unbuilt = [name for name in ("vision", "audio") if source.get(f"{name}_config") and built[name] is None]
     return {
         "model_type": config.model_type,
         "towers_not_built": unbuilt,

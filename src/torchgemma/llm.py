@@ -22,6 +22,7 @@ top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,11 +34,12 @@ import torch
 
 from .embedding import MODULES_FILE, SentenceHead, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, stream
-from .processing import MediaTokens, collect_media, collect_videos, prepare_media_prompts
+from .processing import MediaTokens, collect_media, collect_videos, gemma3n_audio, prepare_media_prompts
 from .processing.image import PATCH_SIZE, POOLING_KERNEL
 from .processing.unified import prepare_unified_prompts
 from .processing.video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS
 from .tokenizer import Tokenizer, UnknownTokenError, load_tokenizer
+from .tokenizer.chat_template import select_chat_template
 from .weights.loading import load
 from .weights.source import auto_quantization, resolve_source
 
@@ -212,6 +214,8 @@ class LLM:
         if not images and not audio and not videos:
             input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
             return {"input_ids": input_ids, "attention_mask": mask}
+        if self.model.config.gemma3n_audio is not None:
+            return self._gemma3n_inputs(prompts, images, audio, videos)
         tokens = self._media_tokens(images, audio, videos)
         config = self.model.config
         if config.model_type == "gemma4_unified":
@@ -258,6 +262,21 @@ class LLM:
 
         With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         images, audio = collect_media(messages)
+        if audio and self.model.config.gemma3n_audio is not None:
+            # Gemma 3n: the template's audio placeholder renders expanded, as Gemma3nProcessor's text.
+            template = gemma3n_audio.expand_audio_in_template(
+                select_chat_template(self.tokenizer.chat_template, source=self.tokenizer.name_or_path),
+                self.tokenizer,
+                self.model.config.gemma3n_audio.soft_tokens_per_clip,
+            )
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                enable_thinking=enable_thinking,
+                chat_template=template,
+                sanitize_control_tokens=sanitize_control_tokens,
+            )
+            return self.inputs([ids], images, audio, collect_videos(messages))
         ids = self.chat_ids(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
         videos = collect_videos(messages)
         return self.inputs([ids], images, audio, videos) if videos else self.inputs([ids], images, audio)
@@ -314,7 +333,7 @@ class LLM:
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = self.generate_ids(
-            [self.encode(p) for p in prompts],
+            [self._encode_prompt(p, audio) for p in prompts],
             images=images,
             audio=audio,
             videos=videos,
@@ -338,7 +357,7 @@ class LLM:
         **sampling: Any,
     ) -> Iterator[str]:
         """Like ``generate`` for one prompt, yielding text pieces as they complete."""
-        inputs = self.inputs([self.encode(prompt)], images, audio, videos)
+        inputs = self.inputs([self._encode_prompt(prompt, audio)], images, audio, videos)
         yield from self._stream_text(inputs, max_new_tokens, stats, sampling)
 
     def chat(
@@ -495,6 +514,32 @@ class LLM:
         stops = tuple(self.generation_config.eos_token_ids)
         return {**sampling, "stop_token_ids": stops if turn_end in stops else (*stops, turn_end)}
 
+    def _encode_prompt(self, prompt: str, audio: Sequence[Any] | None) -> list[int]:
+        """``encode``; Gemma 3n with audio: the placeholders expanded in the text first, as its processor."""
+        if audio and self.model.config.gemma3n_audio is not None:
+            soft = self.model.config.gemma3n_audio.soft_tokens_per_clip
+            prompt = gemma3n_audio.expand_audio_text(prompt, self.tokenizer, soft)
+        return self.encode(prompt)
+
+    def _gemma3n_inputs(
+        self, prompts: Sequence[Sequence[int]], images: list, audio: list, videos: list
+    ) -> dict:
+        """Gemma 3n: prompts whose audio placeholders are already expanded (``chat_inputs`` and
+        ``generate`` expand them in the text, as Gemma3nProcessor), and the clips' features."""
+        tokens = self._media_tokens(images, audio, videos)
+        soft = self.model.config.gemma3n_audio.soft_tokens_per_clip
+        found = sum(list(p).count(tokens.audio) for p in prompts)
+        if found != soft * len(audio):
+            raise ValueError(
+                f"the prompts hold {found} audio placeholder tokens but {len(audio)} clips need "
+                f"{soft} each: Gemma 3n prompts take each clip's placeholder expanded in the text "
+                "(LLM.chat and LLM.generate do this; see processing.gemma3n_audio.expand_audio_text)"
+            )
+        input_ids, mask = self._left_pad(prompts, self.generation_config.pad_token_id or 0)
+        settings = gemma3n_audio.feature_settings(self.folder) if self.folder.is_dir() else {}
+        features = gemma3n_audio.process_audio_gemma3n(audio, **settings)
+        return {"input_ids": input_ids, "attention_mask": mask, **features}
+
     def _media_tokens(self, images: list, audio: list, videos: list = ()) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
         config = self.model.config
@@ -521,7 +566,12 @@ class LLM:
                 f"but this vision tower takes {vision.patch_size} px patches pooled "
                 f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
             )
-        if audio and config.audio_config is None and config.model_type != "gemma4_unified":
+        if (
+            audio
+            and config.audio_config is None
+            and config.model_type != "gemma4_unified"
+            and config.gemma3n_audio is None
+        ):
             raise ValueError(
                 f"this checkpoint has no audio tower torchgemma builds ({self.model.towers_note}): "
                 "it cannot take audio"
@@ -532,6 +582,11 @@ class LLM:
             raise ValueError(f"the tokenizer lacks a multimodal token: {error}") from error
         # The model fills the positions of its config's ids; the tokenizer must write the same ones.
         named = [("image", tokens.image), ("audio", tokens.audio)]
+        if config.gemma3n_audio is not None:  # Gemma 3n: audio only; its id is in the audio config
+            named = [("audio", tokens.audio)]
+            config = dataclasses.replace(
+                config, token_ids={"audio_token_id": config.gemma3n_audio.audio_token_id}
+            )
         if videos:
             if tokens.video is None:
                 raise ValueError("the tokenizer has no <|video|> token: it cannot take videos")

@@ -1,4 +1,5 @@
-"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``.
+"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``
+and the audio tower of ``gemma3n``.
 
 Module names follow the checkpoint's tensor names with the ``model.`` prefix removed
 (``language_model.layers.3.self_attn.q_proj.weight``, ``vision_tower.encoder.layers.0...``,
@@ -13,6 +14,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from .audio import AudioTower
+from .gemma3n_audio import Gemma3nAudioEncoder
 from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
 from .text import TextModel
 from .unified import VisionEmbedder
@@ -53,6 +55,8 @@ class Gemma(nn.Module):
         if config.unified_audio is not None:
             audio = config.unified_audio
             self.embed_audio = MultimodalEmbedder(audio.audio_embed_dim, text.hidden_size, audio.rms_norm_eps)
+        if config.gemma3n_audio is not None:  # its soft tokens go through language_model.embed_audio
+            self.audio_tower = Gemma3nAudioEncoder(config.gemma3n_audio)
 
     @property
     def takes_media(self) -> bool:
@@ -62,8 +66,10 @@ class Gemma(nn.Module):
     @property
     def towers_note(self) -> str:
         """Why a tower is missing: config.json has none, or torchgemma does not build it."""
-        if self.config.model_type in ("gemma3", "gemma3n"):
-            return f"torchgemma builds only the text model of model_type {self.config.model_type!r}"
+        if self.config.model_type == "gemma3":
+            return "torchgemma builds only the text model of model_type 'gemma3'"
+        if self.config.model_type == "gemma3n":
+            return "torchgemma builds the text model and audio tower of model_type 'gemma3n', not its vision tower"
         return "config.json describes none"
 
     @property
@@ -130,6 +136,8 @@ class Gemma(nn.Module):
     def audio_features(self, input_features: torch.Tensor, input_features_mask: torch.Tensor) -> torch.Tensor:
         """Log-mel features (B, T, F) and frame mask (B, T) -> the valid frames' soft tokens (n, H).
         gemma4_unified: raw waveform frames (B, T, 640) projected directly, without a tower."""
+        if self.config.gemma3n_audio is not None:
+            return self.gemma3n_audio_features(input_features, input_features_mask)
         if self.config.unified_audio is not None:
             frames = input_features.to(self.device, self.dtype)  # cast before the norm, as the reference
             return self.embed_audio(frames)[input_features_mask.to(self.device).bool()]
@@ -138,6 +146,34 @@ class Gemma(nn.Module):
         frames, valid = self.audio_tower(input_features.to(self.device), input_features_mask.to(self.device))
         # Projected over the whole padded batch, then the valid frames kept, as the reference.
         return self.embed_audio(frames)[valid]
+
+    def gemma3n_audio_features(
+        self, input_features: torch.Tensor, input_features_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Gemma 3n: log-mel features (B, T, F) and frame mask (B, T) -> soft tokens (B * n, H), n per
+        clip (``audio_soft_tokens_per_image``): the encoder's, its padded frames and the rest up to n
+        embed_audio's row for id ``vocab_size - 1``, as the reference."""
+        cfg = self.config.gemma3n_audio
+        if input_features_mask is None:
+            raise ValueError("input_features need their input_features_mask (the processor returns both)")
+        embedder = self.language_model.embed_audio
+        encodings, valid = self.audio_tower(
+            input_features.to(self.device), input_features_mask.to(self.device)
+        )
+        soft = embedder.soft(encodings)  # (B, T'', H)
+        clips, length, width = soft.shape
+        if length > cfg.soft_tokens_per_clip:
+            raise ValueError(
+                f"audio of {input_features.shape[1]} frames gives {length} soft tokens per clip, more than "
+                f"the {cfg.soft_tokens_per_clip} placeholders a clip has (audio is at most 30 s)"
+            )
+        pad_row = torch.full(
+            (1, 1), self.config.text.vocab_size - 1 - embedder.vocab.offset, device=self.device
+        )
+        pad = embedder.hard(pad_row)  # (1, 1, H), embedded alone as the reference does
+        soft = torch.where(valid[..., None], soft, pad)
+        soft = torch.cat([soft, pad.expand(clips, cfg.soft_tokens_per_clip - length, width)], dim=1)
+        return soft.to(self.dtype).reshape(-1, width)
 
     def embed_multimodal(
         self,
@@ -164,6 +200,17 @@ class Gemma(nn.Module):
                     f"num_frames_per_video sums to {frames} but pixel_values_videos has "
                     f"{pixel_values_videos.shape[0]} frames"
                 )
+        if self.config.gemma3n_audio is not None:
+            if pixel_values is not None or pixel_values_videos is not None:
+                raise ValueError(
+                    f"images given, but this checkpoint has no vision tower ({self.towers_note})"
+                )
+            embeds = self.language_model.embed(input_ids)
+            if input_features is not None:
+                soft = self.audio_features(input_features, input_features_mask)
+                mask = input_ids == self.config.gemma3n_audio.audio_token_id
+                embeds = scatter_soft_tokens(embeds, mask, soft, "audio")
+            return embeds, input_ids
         masks = placeholder_masks(input_ids, self.config.token_ids)
         text_ids = self.text_ids(input_ids)
         embeds = self.language_model.embed(text_ids)
@@ -212,7 +259,9 @@ class Gemma(nn.Module):
         ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
         on bidirectional attention inside each image and each video frame on sliding layers, for
         checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the
-        prompt only.
+        prompt only. Gemma 3n: ``input_features`` / ``input_features_mask`` as
+        ``Gemma3nAudioFeatureExtractor`` returns them; each clip fills ``audio_soft_tokens_per_image``
+        (188) audio placeholders, in order.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
@@ -221,6 +270,17 @@ class Gemma(nn.Module):
             "input_features": input_features,
             "pixel_values_videos": pixel_values_videos,
         }
+        if self.config.gemma3n_audio is not None and input_features is not None:
+            embeds, _ = self.embed_multimodal(
+                input_ids,
+                pixel_values,
+                input_features=input_features,
+                input_features_mask=input_features_mask,
+                pixel_values_videos=pixel_values_videos,
+            )
+            return self.language_model(
+                input_ids, attention_mask, cache, keep_last=logits_to_keep, slots=slots, inputs_embeds=embeds
+            )
         if not self.takes_media:
             given = [name for name, value in media.items() if value is not None]
             if given:

@@ -71,8 +71,9 @@ class MediaTokenEmbedder(nn.Module):
     """Gemma 3n: the ids of a tower's own vocabulary, embedded from the tower embedder's table:
     ``post_norm(projection(hard_norm(embedding[id - offset])))``, the last norm without a scale.
 
-    Checkpoint prefix ``model.embed_vision.`` / ``model.embed_audio.``; the towers' soft tokens
-    (``soft_embedding_norm``) are not used, as the towers are not built.
+    Checkpoint prefix ``model.embed_vision.`` / ``model.embed_audio.``. A built tower's soft tokens
+    (the audio conformer's) go through ``soft``: ``post_norm(projection(soft_norm(x)))``; the vision
+    tower is not built, its ``soft_embedding_norm`` not loaded.
     """
 
     def __init__(self, vocab: MediaVocabulary, text_hidden_size: int):
@@ -80,6 +81,8 @@ class MediaTokenEmbedder(nn.Module):
         self.vocab = vocab
         self.embedding = _embedding(vocab.size, vocab.hidden_size)
         self.hard_embedding_norm = RMSNorm(vocab.hidden_size, vocab.rms_norm_eps)
+        if vocab.soft_tokens:
+            self.soft_embedding_norm = RMSNorm(vocab.hidden_size, vocab.rms_norm_eps)
         self.embedding_projection = nn.Linear(vocab.hidden_size, text_hidden_size, bias=False)
         self.embedding_post_projection_norm = RMSNorm(text_hidden_size, vocab.rms_norm_eps, with_scale=False)
 
@@ -92,9 +95,16 @@ class MediaTokenEmbedder(nn.Module):
         # Every position is embedded (others as the table's last row), then selected, as the
         # reference: a row's bits can depend on how many rows share the projection.
         rows = torch.where(mine, input_ids - vocab.offset, vocab.size - 1)
+        return torch.where(mine[..., None], self.hard(rows).to(embeds.dtype), embeds)
+
+    def hard(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the table (ids less the offset) in the text width."""
         x = self.embedding_projection(self.hard_embedding_norm(self.embedding(rows)))
-        x = self.embedding_post_projection_norm(x).to(embeds.dtype)
-        return torch.where(mine[..., None], x, embeds)
+        return self.embedding_post_projection_norm(x)
+
+    def soft(self, x: torch.Tensor) -> torch.Tensor:
+        """A tower's soft tokens (..., D) in the text width."""
+        return self.embedding_post_projection_norm(self.embedding_projection(self.soft_embedding_norm(x)))
 
 
 # ── attention ───────────────────────────────────────────────────────────────────────────────────

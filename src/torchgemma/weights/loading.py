@@ -328,8 +328,8 @@ def sanitize(name: str, config: ModelConfig) -> str | None:
     if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
         return None  # Gemma 3: only the text model is built
     if config.model_type == "gemma3n":
-        if name.startswith(("vision_tower.", "audio_tower.")) or name.endswith(".soft_embedding_norm.weight"):
-            return None  # Gemma 3n: the towers, and their soft tokens' norm, are not built
+        if name.startswith("vision_tower.") or name == "embed_vision.soft_embedding_norm.weight":
+            return None  # Gemma 3n: the vision tower, and its soft tokens' norm, are not built
         if name.startswith(("embed_vision.", "embed_audio.")):
             return "language_model." + name  # the towers' token ids are embedded by the text model
     if name == "lm_head.weight":
