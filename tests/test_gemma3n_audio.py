@@ -341,3 +341,62 @@ def test_llm_reads_the_feature_extractor_config(llm_folder, tmp_path):
     (folder / "preprocessor_config.json").write_text(json.dumps({**config, "dither": 1e-4}))
     with pytest.raises(ValueError, match="dither is 0.0001"):
         llm.inputs([llm._encode_prompt("<|audio|>", waves)], audio=waves)
+
+
+def test_server_chat_and_transcription_with_audio(llm_folder):
+    """The server renders Gemma 3n's audio placeholder expanded, as LLM.chat does: a chat with
+    input_audio and a transcription reply what the library replies to the same conversation."""
+    import base64
+    import io
+    import wave
+
+    import openai
+
+    from serving_fixtures import running_server
+    from test_server import content_of
+    from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
+
+    llm = torchgemma.LLM(llm_folder, progress=False)
+    samples = (clips([9000], seed=17)[0].clip(-1, 1) * 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(samples.tobytes())
+    wav = buffer.getvalue()
+    heard = samples / 32768.0
+    with running_server(create_app(llm, model_name="g3n", max_len=512)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        audio_part = {
+            "type": "input_audio",
+            "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+        }
+        reply = client.chat.completions.create(
+            model="g3n",
+            messages=[{"role": "user", "content": [audio_part, {"type": "text", "text": "What is said?"}]}],
+            temperature=0,
+            max_tokens=6,
+        )
+        expected = llm.chat(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "audio", "audio": heard}, {"type": "text", "text": "What is said?"}],
+                }
+            ],
+            temperature=0,
+            max_new_tokens=6,
+        )
+        assert reply.choices[0].message.content == content_of(llm, expected.token_ids)
+        assert reply.usage.completion_tokens == len(expected.token_ids)
+        transcript = client.audio.transcriptions.create(model="g3n", file=("clip.wav", wav, "audio/wav"))
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "audio", "audio": heard}, {"type": "text", "text": TRANSCRIBE_PROMPT}],
+            }
+        ]
+        prompt = int(llm.chat_inputs(messages)["attention_mask"].sum())
+        spoken = llm.chat(messages, temperature=0, max_new_tokens=min(448, 512 - prompt))
+        assert transcript.text == content_of(llm, spoken.token_ids)

@@ -262,13 +262,8 @@ class LLM:
 
         With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         images, audio = collect_media(messages)
-        if audio and self.model.config.gemma3n_audio is not None:
-            # Gemma 3n: the template's audio placeholder renders expanded, as Gemma3nProcessor's text.
-            template = gemma3n_audio.expand_audio_in_template(
-                select_chat_template(self.tokenizer.chat_template, source=self.tokenizer.name_or_path),
-                self.tokenizer,
-                self.model.config.gemma3n_audio.soft_tokens_per_clip,
-            )
+        template = self.chat_template_for(audio)
+        if template is not None:
             ids = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=True,
@@ -280,6 +275,28 @@ class LLM:
         ids = self.chat_ids(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
         videos = collect_videos(messages)
         return self.inputs([ids], images, audio, videos) if videos else self.inputs([ids], images, audio)
+
+    @property
+    def takes_audio(self) -> bool:
+        """Whether the checkpoint runs audio: an audio tower (Gemma 4, Gemma 3n) or embedder (unified)."""
+        config = self.model.config
+        return (
+            config.audio_config is not None
+            or config.gemma3n_audio is not None
+            or (config.model_type == "gemma4_unified" and config.unified_audio is not None)
+        )
+
+    def chat_template_for(self, audio: Sequence[Any]) -> str | None:
+        """The chat template a conversation with these audio clips renders with: None (the
+        tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in the
+        text, as Gemma3nProcessor's does (the server renders conversations itself and uses this)."""
+        if not audio or self.model.config.gemma3n_audio is None:
+            return None
+        return gemma3n_audio.expand_audio_in_template(
+            select_chat_template(self.tokenizer.chat_template, source=self.tokenizer.name_or_path),
+            self.tokenizer,
+            self.model.config.gemma3n_audio.soft_tokens_per_clip,
+        )
 
     # ---- generation -----------------------------------------------------------------------------
 

@@ -260,6 +260,7 @@ def create_app(
                 enable_thinking=thinking,
                 tools=tools if choice != "none" else None,
                 sanitize_control_tokens=True,
+                chat_template=llm.chat_template_for(audio),
             )
         except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
             raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error
@@ -391,7 +392,7 @@ def create_app(
         temperature: Annotated[float, Form()] = 0.0,
     ):
         check_model(model)
-        if config.audio_config is None:
+        if not llm.takes_audio:
             raise APIError(404, "this checkpoint has no audio tower: it cannot transcribe", param="model")
         if response_format not in ("json", "text"):
             raise bad_request("response_format must be 'json' or 'text'", "response_format")
@@ -409,7 +410,10 @@ def create_app(
             }
         ]
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, sanitize_control_tokens=True
+            messages,
+            add_generation_prompt=True,
+            sanitize_control_tokens=True,
+            chat_template=llm.chat_template_for([clip]),
         )
         try:
             inputs = llm.inputs([ids], [], [clip])
@@ -420,10 +424,10 @@ def create_app(
         room = min(max_len, config.text.max_position_embeddings) - len(ids)
         engine_args = sampling_args(sampling, len(ids), min(TRANSCRIPTION_MAX_TOKENS, room), chat_stops)
         engine_args.update(
-            input_features=inputs["input_features"],
-            input_features_mask=inputs["input_features_mask"],
-            mm_token_type_ids=inputs["mm_token_type_ids"][0][real],
+            input_features=inputs["input_features"], input_features_mask=inputs["input_features_mask"]
         )
+        if "mm_token_type_ids" in inputs:  # (Gemma 3n's processor has none)
+            engine_args["mm_token_type_ids"] = inputs["mm_token_type_ids"][0][real]
         outcome = await collect(request, Prepared(ids, engine_args, [], tools=False), "transcription")
         text = "".join(outcome.content).strip()
         return PlainTextResponse(text) if response_format == "text" else {"text": text}
