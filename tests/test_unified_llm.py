@@ -265,3 +265,61 @@ def test_cli_generate_with_media(checkpoint, tmp_path, capsys, monkeypatch):
     assert expected == llm.generate(
         "Describe:<|image|><|audio|>", images=[IMAGES[0]], audio=[samples], temperature=0, max_new_tokens=8
     )
+
+
+def test_server_takes_images_and_audio(checkpoint):
+    """The OpenAI-compatible server with an image (PNG data URL) and a WAV clip replies what
+    LLM.chat replies to the same conversation; transcription works through the audio embedder."""
+    import base64
+    import io
+    import wave
+
+    import openai
+
+    from serving_fixtures import running_server
+    from test_server import content_of
+    from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
+
+    llm = load_llm(checkpoint)
+    png = io.BytesIO()
+    IMAGES[0].save(png, format="PNG")
+    samples = (CLIPS[0].clip(-1, 1) * 32767).astype("<i2")
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(samples.tobytes())
+    heard = samples / 32768.0
+    with running_server(create_app(llm, model_name="u", max_len=1024)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        content = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"}},
+            {"type": "text", "text": "Describe both."},
+        ]  # fmt: skip
+        reply = client.chat.completions.create(
+            model="u", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=NEW
+        )
+        expected = llm.chat(
+            [{"role": "user", "content": [
+                {"type": "image", "image": Image.open(io.BytesIO(png.getvalue()))},
+                {"type": "audio", "audio": heard},
+                {"type": "text", "text": "Describe both."},
+            ]}],
+            temperature=0,
+            max_new_tokens=NEW,
+        )  # fmt: skip
+        assert reply.choices[0].message.content == content_of(llm, expected.token_ids)
+        transcript = client.audio.transcriptions.create(
+            model="u", file=("clip.wav", wav.getvalue(), "audio/wav")
+        )
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "audio", "audio": heard}, {"type": "text", "text": TRANSCRIBE_PROMPT}],
+            }
+        ]
+        prompt = int(llm.chat_inputs(messages)["attention_mask"].sum())
+        spoken = llm.chat(messages, temperature=0, max_new_tokens=min(448, 1024 - prompt))
+        assert transcript.text == content_of(llm, spoken.token_ids)
