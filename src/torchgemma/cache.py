@@ -133,19 +133,12 @@ class SlidingLayerCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``P`` keys before the call (read first), then this call's own: (B, Hkv, P + T, D)."""
         if step.row_slice is not None and step.starts is not None and len(set(step.starts)) == 1:
-            # Every row's past starts at the same ring column.
+            # Every row's past starts at the same ring column: the ring read as (at most) two
+            # slices, in position order, copied with this call's keys in one cat (no gather).
             past = step.past.shape[1]
             first = (step.starts[0] - past) % self.ring
-            rows = step.row_slice
-            if first + past + key.shape[2] <= self.ring and self._stores_all(key, step):
-                # The past and this call's columns follow each other without wrapping, and every
-                # token is stored: store first, then read them as one view (no copy), in order.
-                self._store(key, value, step)
-                span = slice(first, first + past + key.shape[2])
-                return self.keys[rows, :, span], self.values[rows, :, span]
-            # Otherwise the ring read as (at most) two slices, in position order, copied with this
-            # call's keys in one cat (no gather), before this call's keys overwrite any of them.
             spans = [(first, min(first + past, self.ring)), (0, max(first + past - self.ring, 0))]
+            rows = step.row_slice
             keys = [self.keys[rows, :, a:b] for a, b in spans if b > a] + [key]
             values = [self.values[rows, :, a:b] for a, b in spans if b > a] + [value]
             keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -156,16 +149,12 @@ class SlidingLayerCache:
         self._store(key, value, step)
         return torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
 
-    def _stores_all(self, key: torch.Tensor, step: CacheStep) -> bool:
-        """Whether ``_store`` writes every token of the call (no selection)."""
-        return step.active is not None or (step.written is None and key.shape[2] <= self.ring)
-
     def _store(self, key: torch.Tensor, value: torch.Tensor, step: CacheStep) -> None:
         # Only each sequence's last `ring` positions need storing (a chunk may be longer than the ring).
         keep = step.positions >= step.ends - self.ring
         if step.written is not None:
             keep = keep & step.written
-        if self._stores_all(key, step):
+        if step.active is not None or (step.written is None and key.shape[2] <= self.ring):
             keep = None  # every token stays: no boolean selection (and no host sync)
         cols = step.positions % self.ring
         _write(self.keys, step, cols, key, keep)
