@@ -650,10 +650,12 @@ _DECODERS = {
 # that scale * q (+ offset) is, to the bit, what the decoders above compute (the same float32
 # products, then the same sum: "- dmin * m" is "+ (-(dmin * m))"). torchgemma.quantization reads
 # this layout: 8-bit values as int8; 4-bit values two per byte, within each 32 values byte j holding
-# value j (low nibble) and value j + 16 (high nibble), which is Q4_0/Q4_1's own packing; 5-bit values
-# as 4-bit ones plus 4 bytes per 32 values whose bit j is bit 4 of value j (Q5_0/Q5_1's "qh").
-# Scales and offsets are stored as float16 where that holds every one exactly (the blocks' own fp16
-# fields, and -8 d, -16 d unless they overflow), else as float32 (Q4_K/Q6_K's products d * scale).
+# value j (low nibble) and value j + 16 (high nibble), which is Q4_0/Q4_1's own packing. Q5 values go
+# in as 8-bit ones: the 5-bit layout (kernels.pack) reads 26% fewer bytes, but its unpacking makes the
+# one-thread AVX2 product slower than the 8-bit one (real 270M decode step, its Q5_0 layers in 5 bits:
+# 32.8 ms, in 8 bits: 31.0 ms). Scales and offsets are stored as float16 where that holds every one
+# exactly (the blocks' own fp16 fields, and -8 d unless it overflows), else as float32 (Q4_K/Q6_K's
+# products d * scale).
 
 
 @dataclass(frozen=True)
@@ -662,7 +664,7 @@ class GroupedInts:
 
     bits: int
     group_size: int
-    qweight: torch.Tensor  # int8 (N, K), uint8 (N, K / 2) or uint8 (N, K / 32 * 20)
+    qweight: torch.Tensor  # int8 (N, K) or uint8 (N, K / 2)
     scales: torch.Tensor  # float16 or float32 (N, K / group_size)
     mins: torch.Tensor | None  # as scales
 
@@ -672,26 +674,17 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return q[:, :16] | (q[:, 16:] << np.uint8(4))
 
 
-def _pack5(q: np.ndarray) -> np.ndarray:
-    """(n, 32) values 0..31 -> (n, 20) bytes: ``_pack4`` of their low 4 bits, then their bit 4,
-    value j at bit j of a little-endian 32-bit word."""
-    high = np.packbits(q >> np.uint8(4), axis=1, bitorder="little")
-    return np.concatenate([_pack4(q & np.uint8(0x0F)), high], axis=1)
-
-
 def _ints_q8_0(b):
     return 8, 32, b[:, 2:].view(np.int8), _half(b, 0), None
 
 
-# Q5_0/Q5_1 blocks hold the 5-bit layout already, its two parts swapped: qh (4 bytes), then qs (16).
 def _ints_q5_0(b):
-    # (q - 16) * d = d * q + (-16 d) exactly: both products fit float32's 24 bits (11-bit d, 5-bit q).
-    d = _half(b, 0)
-    return 5, 32, np.concatenate([b[:, 6:], b[:, 2:6]], axis=1), d, d * np.float32(-16)
+    q = _fifth_bits(b[:, 2:6], b[:, 6:]).view(np.int8) - np.int8(16)
+    return 8, 32, q, _half(b, 0), None
 
 
 def _ints_q5_1(b):
-    return 5, 32, np.concatenate([b[:, 8:], b[:, 4:8]], axis=1), _half(b, 0), _half(b, 2)
+    return 8, 32, _fifth_bits(b[:, 4:8], b[:, 8:]).view(np.int8), _half(b, 0), _half(b, 2)
 
 
 def _ints_q4_0(b):
@@ -723,7 +716,7 @@ def _ints_q5_k(b):
     q = _k_nibbles(b[:, 48:176])
     q |= _bits(b[:, 16:48], 8) << np.uint8(4)
     scales, mins = _k4_scales(b)
-    return 5, 32, _pack5(q.reshape(-1, 32)), scales, mins
+    return 8, 32, q.view(np.int8), scales, mins
 
 
 def _ints_q6_k(b):
@@ -742,8 +735,8 @@ _INTS = {
 # The GGML types read as grouped integers, with (bits, group size, offsets?); the others (floats,
 # Q2_K, Q3_K, the IQ types) are not.
 INT_TYPES: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
-    _T.Q8_0: (8, 32, False), _T.Q5_0: (5, 32, True), _T.Q5_1: (5, 32, True), _T.Q4_0: (4, 32, True),
-    _T.Q4_1: (4, 32, True), _T.Q4_K: (4, 32, True), _T.Q5_K: (5, 32, True), _T.Q6_K: (8, 16, False),
+    _T.Q8_0: (8, 32, False), _T.Q5_0: (8, 32, False), _T.Q5_1: (8, 32, True), _T.Q4_0: (4, 32, True),
+    _T.Q4_1: (4, 32, True), _T.Q4_K: (4, 32, True), _T.Q5_K: (8, 32, True), _T.Q6_K: (8, 16, False),
 }  # fmt: skip
 
 
@@ -760,7 +753,7 @@ def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
     blocks = raw.reshape(-1, type_size)
     with np.errstate(invalid="ignore", over="ignore"):
         bits, group, q, scales, mins = _INTS[qtype](blocks)
-        width = {8: cols, 4: cols // 2, 5: cols // 32 * 20}[bits]
+        width = cols if bits == 8 else cols // 2
         parts = [np.ascontiguousarray(v, np.float32) for v in (scales, mins) if v is not None]
         if all(_exact_in_half(v) for v in parts):
             parts = [v.astype(np.float16) for v in parts]
