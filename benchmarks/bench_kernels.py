@@ -8,8 +8,9 @@ product reads. This times, one matrix-vector product at a time (1 row, float32 a
   (``torch.ops.quantized.linear_dynamic``: activations quantized per tensor on the fly);
 * ``torch._weight_int8pack_mm`` (int8 weights, a scale per row) and
   ``torch._weight_int4pack_mm_for_cpu`` (int4 groups of 32);
-* torchgemma's ``torchgemma::qlinear`` (C++ kernels): 8-bit groups of 32 (Q8_0, Q5_0 as stored),
-  8-bit per row, 4-bit groups of 32 with offsets (Q4_K), and its pure-PyTorch fallback.
+* torchgemma's ``torchgemma::qlinear`` (C++ kernels): 8-bit groups of 32 with float32 scales and
+  with float16 scales (Q8_0 as stored), 8-bit per row, 4-bit groups of 32 with offsets (Q4_K), 5-bit
+  groups of 32 with float16 scales and offsets (Q5_0 as stored), and its pure-PyTorch fallback.
 
 Shapes: the tied LM head (262144 x 640, 63% of the file's bytes) and the MLP's up projection
 (2048 x 640). Reports the median time of interleaved repetitions, the bytes each reads and the
@@ -77,8 +78,10 @@ def candidates(weight: torch.Tensor) -> dict[str, tuple[callable, int]]:
         print(f"int4pack: {err}", file=sys.stderr)
     for label, fmt in (
         ("torchgemma qlinear 8-bit g32", Format(8, 32, False)),
+        ("torchgemma qlinear 8-bit g32 fp16 scales", Format(8, 32, False, "float16")),
         ("torchgemma qlinear 8-bit per row", Format(8, k, False)),
         ("torchgemma qlinear 4-bit g32 + offsets", Format(4, 32, True)),
+        ("torchgemma qlinear 5-bit g32 + offsets fp16", Format(5, 32, True, "float16")),
     ):
         q, s, m = quantize_rtn(weight, fmt)
         nbytes = q.nbytes + s.nbytes + (m.nbytes if m is not None else 0)
@@ -86,7 +89,7 @@ def candidates(weight: torch.Tensor) -> dict[str, tuple[callable, int]]:
             lambda x, q=q, s=s, m=m, f=fmt: torch.ops.torchgemma.qlinear(x, q, s, m, f.bits, f.group_size),
             nbytes,
         )
-        if fmt.bits == 8 and fmt.group_size == 32:
+        if fmt == Format(8, 32, False):
             out["torchgemma fallback (dequantize + F.linear)"] = (
                 lambda x, q=q, s=s, f=fmt: kernels._qlinear_reference(x, q, s, None, f.bits, f.group_size),
                 nbytes,

@@ -111,11 +111,35 @@ def test_cuda_graph_engine_matches_eager(gen_checkpoints, style):
     assert run(Engine(model, max_batch_size=3, max_len=32), requests, joins, new=8) == expected
 
 
+def _requantized(model, fmt):
+    """``model`` with every quantizable layer in ``fmt`` (the formats GGUF blocks load as)."""
+    from torchgemma.quantization import float_weight, quantizable, quantized_shell, replace_module
+
+    done = 0
+    for name, item in list(quantizable(model)):
+        if float_weight(item).shape[-1] % fmt.group_size:
+            continue  # as quantize does: a width the groups cannot hold stays in full precision
+        shell = quantized_shell(item, fmt, model.dtype)
+        with torch.no_grad():
+            shell.set_weight(float_weight(item))
+        replace_module(model, name, shell)
+        done += 1
+    assert done, "no layer in this format"
+    return model
+
+
+@pytest.mark.parametrize("fmt", [None, (5, 32, True, "float16"), (8, 32, False, "float16")])
 @pytest.mark.parametrize("style", ["e2b", "26b"])
-def test_quantized_decode_step_is_one_graph(text_checkpoints, style):
+def test_quantized_decode_step_is_one_graph(text_checkpoints, style, fmt):
     """Quantized layers are torch.library operators with fake kernels: the static decode step of a
-    quantized model (E2B: tables and PLE; 26B: expert stacks, gathered) still traces as one graph."""
-    model = torchgemma.load(text_checkpoints[style], quantize="int8")
+    quantized model (E2B: tables and PLE; 26B: expert stacks, gathered) still traces as one graph,
+    int8 or in the 5-bit and float16-scale formats of GGUF blocks."""
+    from torchgemma.quantization import Format
+
+    if fmt is None:
+        model = torchgemma.load(text_checkpoints[style], quantize="int8")
+    else:
+        model = _requantized(torchgemma.load(text_checkpoints[style]), Format(*fmt))
     cache = model.make_cache(2, 16)
     tokens, positions, active = torch.tensor([[5], [6]]), torch.tensor([3, 0]), torch.tensor([True, False])
     explained = torch._dynamo.explain(decode_step)(model, cache, tokens, positions, active)

@@ -907,3 +907,65 @@ def test_gguf_loads_as_a_model_with_the_logits_of_its_values(synthetic, name):
     with torch.no_grad():
         ours, theirs = model(ids), reference.eval()(input_ids=ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks kept quantized (quantize="gguf")
+
+_GROUPED = {  # GGML type -> (bits, scale dtype on moderate fp16 scales)
+    T.Q8_0: (8, torch.float16), T.Q5_0: (8, torch.float16), T.Q5_1: (8, torch.float16),
+    T.Q4_0: (4, torch.float16), T.Q4_1: (4, torch.float16), T.Q5_K: (8, torch.float32),
+    T.Q4_K: (4, torch.float32), T.Q6_K: (8, torch.float32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", list(_GROUPED), ids=lambda t: t.name)
+def test_grouped_ints_dequantize_to_the_files_values(qtype):
+    """Each type's blocks as grouped integers: scale * q + min is the file's dequantized value to the
+    bit, in the C++ and the pure-PyTorch dequantizer; scales are float16 where the file's are."""
+    from torchgemma.quantization import ensure_kernels, kernels
+    from torchgemma.weights.gguf import INT_TYPES, grouped_ints
+
+    raw = random_blocks(qtype, (6, 512), np.random.default_rng(3))
+    if qtype == T.Q4_0:  # one huge d: its offset -8 d overflows float16, the tensor stays float32
+        raw[0, :2] = np.array([30000.0], np.float16).view(np.uint8)
+    ints = grouped_ints(raw, qtype, (6, 512))
+    bits, dtype = _GROUPED[qtype]
+    if qtype == T.Q4_0:
+        dtype = torch.float32
+    assert (ints.bits, ints.group_size, ints.mins is not None) == INT_TYPES[qtype]
+    assert ints.bits == bits and ints.scales.dtype == dtype
+    assert ints.mins is None or ints.mins.dtype == dtype
+    expected = dequantize(raw, qtype, (6, 512))
+    args = (ints.qweight, ints.scales, ints.mins, ints.bits, ints.group_size)
+    assert torch.equal(kernels._dequantize_reference(*args), expected)
+    if ensure_kernels():
+        assert torch.equal(torch.ops.torchgemma.dequantize(*args), expected)
+
+
+def test_gguf_blocks_load_save_and_load_back_to_the_bit(synthetic, tmp_path):
+    """quantize="gguf" on a file of every 32-wide type: each layer dequantizes to the file's values,
+    and torchgemma.save -> load gives back the same formats and bits."""
+    import torchgemma
+    from torchgemma.quantization import QuantizedWeight
+
+    path, _, _ = synthetic("gemma3")
+    model = torchgemma.load(path, attention="eager", quantize="gguf")
+    checkpoint = read_gguf(path)
+    formats = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            key = "model." + name.removeprefix("language_model.") + ".weight"
+            assert torch.equal(module.dequantize(), checkpoint.tensor(key)), name
+            formats.add((module.format.bits, module.format.scale_dtype))
+    assert {(8, "float16"), (4, "float16")} <= formats
+    torchgemma.save(model, tmp_path / "q")
+    back = torchgemma.load(tmp_path / "q", attention="eager")
+    assert back.quantization == model.quantization
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        assert value.dtype == theirs[key].dtype and torch.equal(value, theirs[key]), key
+    ids = torch.randint(3, 1024, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))

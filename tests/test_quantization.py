@@ -38,32 +38,45 @@ def random_ints(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if bits == 8:
         return torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
-    return torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    return torch.randint(0, 1 << bits, (rows, cols), generator=gen, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 5])
 def test_pack_round_trip(bits):
     q = random_ints(5, 64, bits)
     packed = kernels.pack(q, bits)
-    assert packed.shape == (5, 64 if bits == 8 else 32)
+    assert packed.shape == (5, {8: 64, 4: 32, 5: 40}[bits])
     assert torch.equal(kernels.unpack(packed, bits), q)
-    if bits == 4:  # byte j of each 32 values: value j low, value j + 16 high (GGML's Q4 packing)
-        assert packed[0, 0] == q[0, 0] | (q[0, 16] << 4)
+    if bits != 8:  # byte j of each 32 values: value j low, value j + 16 high (GGML's Q4 packing)
+        assert packed[0, 0] == q[0, 0] & 15 | ((q[0, 16] & 15) << 4)
+    if bits == 5:  # then 4 bytes: bit j of the little-endian word is bit 4 of value j (GGML's qh)
+        word = int.from_bytes(bytes(packed[0, 16:20].tolist()), "little")
+        assert [(word >> j) & 1 for j in range(32)] == (q[0, :32] >> 4).tolist()
 
 
-CASES = [(8, 16, False), (8, 32, False), (8, 64, True), (8, 96, False), (4, 32, True), (4, 96, True)]
+CASES = [
+    (8, 16, False),
+    (8, 32, False),
+    (8, 64, True),
+    (8, 96, False),
+    (4, 32, True),
+    (4, 96, True),
+    (5, 32, True),
+    (5, 64, True),
+]
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("bits", "group", "mins"), CASES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows):
+def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows, scale_dtype):
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())
     n, k = 37, 192
     q = kernels.pack(random_ints(n, k, bits, seed=rows), bits)
     gen = torch.Generator().manual_seed(bits * group)
-    scales = torch.rand(n, k // group, generator=gen) * 0.02
-    offsets = torch.randn(n, k // group, generator=gen) * 0.05 if mins else None
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02).to(scale_dtype)
+    offsets = (torch.randn(n, k // group, generator=gen) * 0.05).to(scale_dtype) if mins else None
     weight = kernels._dequantize_reference(q, scales, offsets, bits, group)
     # The C++ dequantizer computes scale * q, then + min, unfused: the reference's bits.
     assert torch.equal(torch.ops.torchgemma.dequantize(q, scales, offsets, bits, group), weight)
@@ -75,9 +88,19 @@ def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows):
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "mins"), [(8, 32, False), (8, 192, False), (8, 16, True), (4, 32, True)]
+    ("bits", "group", "mins", "scale_dtype"),
+    [
+        (8, 32, False, torch.float32),
+        (8, 192, False, torch.float32),
+        (8, 16, True, torch.float32),
+        (4, 32, True, torch.float32),
+        (8, 32, False, torch.float16),
+        (4, 32, True, torch.float16),
+        (5, 32, True, torch.float16),
+        (5, 64, True, torch.float32),
+    ],
 )
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins, scale_dtype):
     """Decode batches of 1 to 15 rows: each row's products equal, to the bit, that row alone (the
     engine promises a request what it would get alone)."""
     if not ensure_kernels():
@@ -85,8 +108,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins):
     n, k = 29, 192
     q = kernels.pack(random_ints(n, k, bits, seed=5), bits)
     gen = torch.Generator().manual_seed(2)
-    scales = torch.rand(n, k // group, generator=gen)
-    offsets = torch.randn(n, k // group, generator=gen) if mins else None
+    scales = torch.rand(n, k // group, generator=gen).to(scale_dtype)
+    offsets = torch.randn(n, k // group, generator=gen).to(scale_dtype) if mins else None
     x = torch.randn(15, k, generator=gen)
     alone = torch.cat(
         [torch.ops.torchgemma.qlinear(x[i : i + 1], q, scales, offsets, bits, group) for i in range(15)]
@@ -103,31 +126,53 @@ def test_operators_check_their_inputs():
         torch.ops.torchgemma.qlinear(torch.randn(1, 63), q, scales, None, 8, 32)
     with pytest.raises((RuntimeError, ValueError), match="group size"):
         torch.ops.torchgemma.qlinear(torch.randn(1, 64), q, torch.ones(4, 3), None, 8, 24)
+    q5 = kernels.pack(random_ints(4, 64, 5), 5)
+    with pytest.raises((RuntimeError, ValueError), match="mins"):  # mins of another dtype than scales
+        torch.ops.torchgemma.qlinear(torch.randn(1, 64), q5, scales.half(), torch.ones(4, 2), 5, 32)
+    with pytest.raises((RuntimeError, ValueError), match="20 bytes"):
+        torch.ops.torchgemma.qlinear(torch.randn(1, 64), q5[:, :30].contiguous(), scales, scales, 5, 32)
 
 
+@pytest.mark.parametrize(
+    ("bits", "mins", "scale_dtype"),
+    [(4, True, torch.float32), (5, True, torch.float16), (8, False, torch.float16)],
+)
 @pytest.mark.parametrize("op", ["qlinear", "dequantize"])
-def test_operators_pass_torch_library_opcheck(op):
+def test_operators_pass_torch_library_opcheck(op, bits, mins, scale_dtype):
     """The fake (meta) kernels agree with the real ones, so torch.compile traces the layers."""
     ensure_kernels()
-    q = kernels.pack(random_ints(8, 64, 4), 4)
-    scales, offsets = torch.rand(8, 2), torch.randn(8, 2)
+    q = kernels.pack(random_ints(8, 64, bits), bits)
+    scales = torch.rand(8, 2).to(scale_dtype)
+    offsets = torch.randn(8, 2).to(scale_dtype) if mins else None
     args = (
-        (q, scales, offsets, 4, 32) if op == "dequantize" else (torch.randn(3, 64), q, scales, offsets, 4, 32)
+        (q, scales, offsets, bits, 32)
+        if op == "dequantize"
+        else (torch.randn(3, 64), q, scales, offsets, bits, 32)
     )
     torch.library.opcheck(getattr(torch.ops.torchgemma, op).default, args)
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "mins"), [(8, 64, False), (8, 32, True), (4, 32, True), (4, 64, True)]
+    ("bits", "group", "mins", "scale_dtype"),
+    [
+        (8, 64, False, "float32"),
+        (8, 32, True, "float32"),
+        (4, 32, True, "float32"),
+        (4, 64, True, "float32"),
+        (5, 32, True, "float32"),
+        (8, 32, False, "float16"),
+        (5, 32, True, "float16"),
+    ],
 )
-def test_round_to_nearest_is_within_half_a_step(bits, group, mins):
+def test_round_to_nearest_is_within_half_a_step(bits, group, mins, scale_dtype):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(16, 128, generator=gen)
     weight[3] = 0.0  # an all-zero row must not divide by zero
-    fmt = Format(bits, group, mins)
+    fmt = Format(bits, group, mins, scale_dtype)
     qweight, scales, offsets = quantize_rtn(weight, fmt)
+    assert scales.dtype == getattr(torch, scale_dtype)
     back = kernels._dequantize_reference(qweight, scales, offsets, bits, group)
-    step = scales.repeat_interleave(group, dim=1)
+    step = scales.float().repeat_interleave(group, dim=1)
     assert torch.all((back - weight).abs() <= step / 2 + 1e-6)
     assert torch.equal(back[3], torch.zeros(128))
 
@@ -146,6 +191,11 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
         w = kernels._dequantize_reference(q, torch.ones(4, 1), None, 8, 32)
         x = torch.randn(2, 32)
         assert torch.allclose(torch.ops.torchgemma.qlinear(x, q, torch.ones(4, 1), None, 8, 32), x @ w.T)
+        q5 = kernels.pack(torch.randint(0, 32, (4, 32), dtype=torch.uint8), 5)
+        s, m = torch.full((4, 1), 0.5, dtype=torch.float16), torch.full((4, 1), -8.0, dtype=torch.float16)
+        w5 = kernels.unpack(q5, 5).float() * 0.5 - 8
+        assert torch.equal(torch.ops.torchgemma.dequantize(q5, s, m, 5, 32), w5)
+        assert torch.allclose(torch.ops.torchgemma.qlinear(x, q5, s, m, 5, 32), x @ w5.T)
         print("fallback ok")
         """
     )

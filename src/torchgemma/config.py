@@ -491,7 +491,7 @@ class ModelConfig:
     # gemma3n: its audio conformer (its MobileNet-V5 vision tower is not built).
     gemma3n_audio: Gemma3nAudioConfig | None = None
     # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
-    # has_mins}}} (config.json's "quantization_config", quant_method "torchgemma").
+    # has_mins, scale_dtype?}}} (config.json's "quantization_config", quant_method "torchgemma").
     quantization: dict | None = None
     # The config.json dict this was built from, kept to write it out again (torchgemma.save).
     source: dict | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -602,15 +602,17 @@ def _quantization_from_hf(data: Any) -> dict | None:
     layers = data.get("layers")
     if not isinstance(layers, dict) or not all(
         isinstance(spec, dict)
-        and spec.get("bits") in (4, 8)
+        and spec.get("bits") in (4, 5, 8)
         and isinstance(spec.get("group_size"), int)
         and spec["group_size"] > 0
         and isinstance(spec.get("has_mins"), bool)
+        and spec.get("scale_dtype", "float32") in ("float32", "float16")
+        and set(spec) <= {"bits", "group_size", "has_mins", "scale_dtype"}
         for spec in layers.values()
     ):
         raise ConfigError(
-            "quantization_config.layers must map module names to {bits: 4 or 8, group_size: int > 0, "
-            "has_mins: bool}"
+            "quantization_config.layers must map module names to {bits: 4, 5 or 8, group_size: int > 0, "
+            "has_mins: bool, scale_dtype (optional): float32 or float16}"
         )
     kept = data.get("kept", {})
     if not isinstance(kept, dict):

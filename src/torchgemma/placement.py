@@ -70,7 +70,7 @@ def keep_on_host(table: nn.Module) -> nn.Module:
             host = HostQuantizedEmbedding(
                 table.num_embeddings,
                 table.embedding_dim,
-                Format(f.bits, f.group_size, f.has_mins),
+                Format(f.bits, f.group_size, f.has_mins, f.scale_dtype),
                 table.compute_dtype,
             )
         for name in ("qweight", "scales", "mins"):

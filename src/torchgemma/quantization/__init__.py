@@ -14,8 +14,9 @@ Modes (``MODES``):
 * ``"int4"``: 4-bit round-to-nearest with a scale and an offset per group of ``group_size`` (default
   32). Round-to-nearest 4-bit weights of a model trained in bf16 lose accuracy: prefer the weights of
   a quantization-aware checkpoint or a GGUF file's own blocks (``"gguf"``);
-* ``"gguf"``: only when loading a GGUF file: each tensor keeps its file precision (Q8_0, Q5_x, Q6_K,
-  Q5_K as 8-bit groups; Q4_0, Q4_1, Q4_K as 4-bit groups), the values equal to its dequantization.
+* ``"gguf"``: only when loading a GGUF file: each tensor keeps its file precision (Q8_0, Q5_x, Q6_K
+  as 8-bit groups; Q4_0, Q4_1, Q4_K as 4-bit groups; scales float16 where that is exact), the values
+  equal to its dequantization.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ per quantized layer (their shapes come from the fake kernels below):
     torch.ops.torchgemma.qlinear(x, qweight, scales, mins, bits, group_size)   # x @ W.T, float32
     torch.ops.torchgemma.dequantize(qweight, scales, mins, bits, group_size)   # W, float32 (N, K)
 
-with ``W[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G]`` (layout: ``csrc/qlinear.cpp``).
+with ``W[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G]`` (layout: ``csrc/qlinear.cpp``);
+scales and mins are float32 or float16 (both the same), the values they hold always taken as float32.
 
 Every device gets a pure-PyTorch kernel (dequantize, then ``F.linear``): correct everywhere, but it
 reads float32 weights, so it is no faster than the unquantized model. On the CPU the C++ kernels
@@ -36,13 +37,31 @@ _LIBRARY.define(
 _LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor")
 
 
+def packed_width(features: int, bits: int) -> int:
+    """Bytes a row of ``features`` values takes: 1 per value (8 bits), 16 (4 bits) or 20 (5 bits)
+    per 32 values."""
+    return {8: features, 4: features // 2, 5: features // 32 * 20}[bits]
+
+
+def features_of(width: int, bits: int) -> int:
+    """``packed_width``'s inverse."""
+    return {8: width, 4: width * 2, 5: width // 20 * 32}[bits]
+
+
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers of a quantized weight, one per value: int8 (bits 8) or 0..15 (bits 4), (N, K)."""
+    """The integers of a quantized weight, one per value: int8 (bits 8), 0..15 (bits 4) or 0..31
+    (bits 5), (N, K)."""
     if bits == 8:
         return qweight
-    n, half = qweight.shape
-    blocks = qweight.view(n, half // 16, 16)  # 16 bytes hold 32 values: low nibbles first
-    return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).view(n, 2 * half)
+    n, width = qweight.shape
+    step = 16 if bits == 4 else 20
+    blocks = qweight.view(n, width // step, step)  # per 32 values: 16 bytes of nibbles, low first
+    q = torch.cat((blocks[..., :16] & 0x0F, blocks[..., :16] >> 4), dim=-1)
+    if bits == 5:  # then 4 bytes: bit j (little-endian) is bit 4 of value j
+        shifts = torch.arange(8, dtype=torch.uint8, device=qweight.device)
+        high = (blocks[..., 16:, None] >> shifts) & 1
+        q = q | (high.reshape(q.shape) << 4)
+    return q.reshape(n, features_of(width, bits))
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -51,16 +70,22 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
         return q.to(torch.int8).contiguous()
     n, k = q.shape
     blocks = q.to(torch.uint8).view(n, k // 32, 32)
-    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    nibbles = (blocks[..., :16] & 0x0F) | ((blocks[..., 16:] & 0x0F) << 4)
+    if bits == 4:
+        return nibbles.reshape(n, k // 2).contiguous()
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=q.device)
+    high = ((blocks >> 4) & 1).view(n, k // 32, 4, 8)
+    high = (high * weights).sum(-1, dtype=torch.uint8)  # distinct bits: the sum is their OR
+    return torch.cat((nibbles, high), dim=-1).reshape(n, k // 32 * 20).contiguous()
 
 
 def _dequantize_reference(qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
     """Float32 weights on any device: scales * q, then + mins (never fused), as GGML's dequantizers."""
     q = unpack(qweight, bits).to(torch.float32)
     n, k = q.shape
-    w = q.view(n, k // group_size, group_size) * scales[..., None]
+    w = q.view(n, k // group_size, group_size) * scales.to(torch.float32)[..., None]
     if mins is not None:
-        w = w + mins[..., None]
+        w = w + mins.to(torch.float32)[..., None]
     return w.view(n, k)
 
 
@@ -68,10 +93,16 @@ def _qlinear_reference(x, qweight, scales, mins, bits: int, group_size: int) -> 
     return F.linear(x.to(torch.float32), _dequantize_reference(qweight, scales, mins, bits, group_size))
 
 
-def _check(qweight, scales, bits: int, group_size: int) -> int:
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    k = qweight.shape[1] * (2 if bits == 4 else 1)
+def _check(qweight, scales, mins, bits: int, group_size: int) -> int:
+    if bits not in (4, 5, 8):
+        raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
+    if bits == 5 and qweight.shape[1] % 20:
+        raise ValueError(f"5-bit rows take 20 bytes per 32 values, got {qweight.shape[1]} bytes")
+    if scales.dtype not in (torch.float32, torch.float16) or (
+        mins is not None and mins.dtype != scales.dtype
+    ):
+        raise ValueError("scales (and mins) must be float32 or float16, both the same")
+    k = features_of(qweight.shape[1], bits)
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide the {k} input features")
     return k
@@ -79,7 +110,7 @@ def _check(qweight, scales, bits: int, group_size: int) -> int:
 
 @torch.library.register_fake("torchgemma::qlinear")
 def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
-    k = _check(qweight, scales, bits, group_size)
+    k = _check(qweight, scales, mins, bits, group_size)
     if x.shape[-1] != k:
         raise ValueError(f"qlinear: input has {x.shape[-1]} features, the weight takes {k}")
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
@@ -87,7 +118,7 @@ def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
 
 @torch.library.register_fake("torchgemma::dequantize")
 def _dequantize_fake(qweight, scales, mins, bits, group_size):
-    k = _check(qweight, scales, bits, group_size)
+    k = _check(qweight, scales, mins, bits, group_size)
     return scales.new_empty((qweight.shape[0], k), dtype=torch.float32)
 
 
@@ -159,7 +190,9 @@ def _build() -> None:
 
     flags = _cpu_flags()
     # The name carries the flag set: a cache shared by machines of different CPUs keeps both builds.
-    name = "torchgemma_qlinear" + ("_avx2" if flags else "_portable")
+    # The version changes with the kernels' operator contract, so that a cached older build is not
+    # loaded in its place (v2: 5-bit groups, float16 scales).
+    name = "torchgemma_qlinear_v2" + ("_avx2" if flags else "_portable")
     load(
         name=name,
         sources=[str(_SOURCE)],

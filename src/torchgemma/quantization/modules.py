@@ -3,9 +3,10 @@
 A quantized weight is three buffers, named so that a saved model reads like the checkpoint it came
 from (``...q_proj.qweight``, ``...q_proj.scales``, ``...q_proj.mins``):
 
-    qweight  int8 (N, K) for 8 bits; uint8 (N, K / 2) for 4 bits (layout: ``csrc/qlinear.cpp``)
-    scales   float32 (N, K / G), one per group of G values of a row
-    mins     float32 (N, K / G) or absent: W = scales * q + mins
+    qweight  int8 (N, K) for 8 bits; uint8 (N, K / 2) for 4 bits, (N, K / 32 * 20) for 5 bits
+             (layout: ``csrc/qlinear.cpp``)
+    scales   float32 or float16 (N, K / G), one per group of G values of a row
+    mins     as scales, or absent: W = scales * q + mins
 
 The modules only hold the buffers and call ``torch.ops.torchgemma``; where the integers come from
 (round-to-nearest here, a GGUF file's own blocks in ``weights.gguf``) is the loader's business.
@@ -13,7 +14,7 @@ The modules only hold the buffers and call ``torch.ops.torchgemma``; where the i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,16 +28,21 @@ DENSE_ROWS = 16
 
 @dataclass(frozen=True)
 class Format:
-    """How one weight is stored: integer width, values per scale, and whether groups have offsets."""
+    """How one weight is stored: integer width, values per scale, whether groups have offsets, and
+    the dtype of scales and offsets ("float16" only where that holds them exactly, as GGML's fp16
+    block scales)."""
 
     bits: int
     group_size: int
     has_mins: bool
+    scale_dtype: str = "float32"
 
     def check(self, in_features: int, name: str = "weight") -> None:
-        block = 32 if self.bits == 4 else 8
-        if self.bits not in (4, 8):
-            raise ValueError(f"{name}: bits must be 4 or 8, got {self.bits}")
+        block = 8 if self.bits == 8 else 32
+        if self.bits not in (4, 5, 8):
+            raise ValueError(f"{name}: bits must be 4, 5 or 8, got {self.bits}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"{name}: scale_dtype must be float32 or float16, got {self.scale_dtype}")
         if self.group_size % block or in_features % self.group_size:
             raise ValueError(
                 f"{name}: group size {self.group_size} must be a multiple of {block} that divides its "
@@ -44,7 +50,13 @@ class Format:
             )
 
     def as_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "has_mins": self.has_mins}
+        spec = {"bits": self.bits, "group_size": self.group_size, "has_mins": self.has_mins}
+        if self.scale_dtype != "float32":  # configs saved before float16 scales read as they were
+            spec["scale_dtype"] = self.scale_dtype
+        return spec
+
+
+SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 class QuantizedWeight(nn.Module):
@@ -56,21 +68,21 @@ class QuantizedWeight(nn.Module):
         self.format = fmt
         self.compute_dtype = dtype  # what forward returns (the model's dtype)
         groups = features // fmt.group_size
-        packed = features if fmt.bits == 8 else features // 2
+        packed = kernels.packed_width(features, fmt.bits)
+        sdtype = SCALE_DTYPES[fmt.scale_dtype]
         self.register_buffer(
             "qweight", torch.empty(rows, packed, dtype=torch.int8 if fmt.bits == 8 else torch.uint8)
         )
-        self.register_buffer("scales", torch.empty(rows, groups, dtype=torch.float32))
-        self.register_buffer("mins", torch.empty(rows, groups, dtype=torch.float32) if fmt.has_mins else None)
+        self.register_buffer("scales", torch.empty(rows, groups, dtype=sdtype))
+        self.register_buffer("mins", torch.empty(rows, groups, dtype=sdtype) if fmt.has_mins else None)
 
     @property
     def weight_shape(self) -> tuple[int, int]:
-        packed = self.qweight.shape[1]
-        return (self.qweight.shape[0], packed * (2 if self.format.bits == 4 else 1))
+        return (self.qweight.shape[0], kernels.features_of(self.qweight.shape[1], self.format.bits))
 
     def _apply(self, fn, recurse=True):
         # A dtype cast (model.to(torch.bfloat16)) changes what forward returns, never the stored
-        # integers and float32 scales; device moves and allocations apply as usual.
+        # integers, scales and mins; device moves and allocations apply as usual.
         def convert(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
             if out.dtype == t.dtype:
@@ -120,7 +132,19 @@ class QuantizedWeight(nn.Module):
         quantize_rtn(weight, self.format, out=(self.qweight, self.scales, self.mins))
 
     def set_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
-        """Adopt already-quantized buffers (e.g. a GGUF file's blocks, converted)."""
+        """Adopt already-quantized buffers (e.g. a GGUF file's blocks, converted). Scales and mins
+        may come in the other scale dtype than the format's (a GGUF tensor's is known only once
+        converted): the format then follows them."""
+        scale_dtype = {v: k for k, v in SCALE_DTYPES.items()}.get(scales.dtype)
+        if scale_dtype is None or (mins is not None and mins.dtype != scales.dtype):
+            raise ValueError(
+                f"scales (and mins) must be float32 or float16, both the same, got {scales.dtype}"
+            )
+        if scale_dtype != self.format.scale_dtype:
+            self.format = replace(self.format, scale_dtype=scale_dtype)
+            self.scales = self.scales.to(scales.dtype)
+            if self.mins is not None:
+                self.mins = self.mins.to(scales.dtype)
         for name, value in (("qweight", qweight), ("scales", scales), ("mins", mins)):
             current = getattr(self, name)
             if (value is None) != (current is None):
@@ -136,7 +160,8 @@ class QuantizedWeight(nn.Module):
     def extra_repr(self) -> str:
         f = self.format
         shape = "x".join(str(d) for d in self.weight_shape)
-        return f"{shape}, bits={f.bits}, group_size={f.group_size}, mins={f.has_mins}"
+        scales = "" if f.scale_dtype == "float32" else f", scales={f.scale_dtype}"
+        return f"{shape}, bits={f.bits}, group_size={f.group_size}, mins={f.has_mins}{scales}"
 
 
 class QuantizedLinear(QuantizedWeight):
@@ -214,8 +239,9 @@ def quantize_rtn(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(N, K) float -> (qweight, scales, mins) by round-to-nearest per group.
 
-    8 bits without mins: symmetric, scale = max|w| / 127. With mins (either width): the group's
+    8 bits without mins: symmetric, scale = max|w| / 127. With mins (any width): the group's
     [min, max] mapped onto [0, 2^bits - 1], scale = (max - min) / (2^bits - 1), min = the group's min.
+    Float16 scales and mins are rounded to float16 before the integers are chosen against them.
     Computed in float32 a few rows at a time into ``out`` (allocated if not given): memory beyond
     the result stays bounded whatever the weight's size.
     """
@@ -223,15 +249,16 @@ def quantize_rtn(
     fmt.check(k)
     g = fmt.group_size
     levels = (1 << fmt.bits) - 1
-    if fmt.bits == 4 and not fmt.has_mins:
-        raise ValueError("4-bit weights are stored with mins (has_mins=True)")
+    if fmt.bits != 8 and not fmt.has_mins:
+        raise ValueError(f"{fmt.bits}-bit weights are stored with mins (has_mins=True)")
+    sdtype = SCALE_DTYPES[fmt.scale_dtype]
     if out is None:
         qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
         device = weight.device
         out = (
-            torch.empty(n, k if fmt.bits == 8 else k // 2, dtype=qdtype, device=device),
-            torch.empty(n, k // g, dtype=torch.float32, device=device),
-            torch.empty(n, k // g, dtype=torch.float32, device=device) if fmt.has_mins else None,
+            torch.empty(n, kernels.packed_width(k, fmt.bits), dtype=qdtype, device=device),
+            torch.empty(n, k // g, dtype=sdtype, device=device),
+            torch.empty(n, k // g, dtype=sdtype, device=device) if fmt.has_mins else None,
         )
     qweight, scales, mins = out
     for start in range(0, n, 4096):
@@ -239,7 +266,8 @@ def quantize_rtn(
         w = weight[rows].to(device=scales.device, dtype=torch.float32).view(-1, k // g, g)
         if fmt.has_mins:
             lo, hi = w.amin(-1), w.amax(-1)
-            scale = (hi - lo) / levels
+            scale = ((hi - lo) / levels).to(sdtype).float()
+            lo = lo.to(sdtype).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, levels)
             if fmt.bits == 8:
@@ -247,7 +275,7 @@ def quantize_rtn(
                 lo = lo + 128 * scale
             mins[rows] = lo
         else:
-            scale = w.abs().amax(-1) / 127
+            scale = (w.abs().amax(-1) / 127).to(sdtype).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round(w / safe[..., None]).clamp_(-127, 127)
         qweight[rows] = kernels.pack(q.view(-1, k), fmt.bits)

@@ -230,6 +230,8 @@ def _build(
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
         fill(model, plan, lambda key: bar.update(stored[key]), adopt=adopt)
+    if quantize == "gguf":  # a GGUF tensor's scale dtype is chosen as it is converted: record it
+        quantization = record(quantize, {name: model.get_submodule(name).format for name in chosen}, kept)
     if quantization is not None:
         model.quantization = quantization
         if quantization["layers"] and device.type == "cpu":

@@ -1,13 +1,19 @@
 // Weight-only quantized matrix products on the CPU: float32 activations times grouped integer weights.
 //
-// A quantized weight W (N rows of K values) is stored as integers q with one float32 scale per group
-// of G consecutive values of a row, and optionally one float32 offset ("min") per group:
+// A quantized weight W (N rows of K values) is stored as integers q with one scale per group of G
+// consecutive values of a row, and optionally one offset ("min") per group:
 //
 //     W[n, k] = scales[n, k / G] * q[n, k] + mins[n, k / G]
+//
+// Scales and mins are float32 or float16 (the same for both; float16 where the values are exactly
+// those of a float16 field, e.g. GGML's block scales: half the bytes); either way a product takes
+// them as float32.
 //
 // bits 8: q is int8, (N, K).  bits 4: q is unsigned 0..15, two per byte, (N, K / 2); within each 32
 // values of a row, byte j holds value j in its low nibble and value j + 16 in its high nibble (the
 // layout of GGML's Q4 blocks, so that one 16-byte load and two masks give 32 values in order).
+// bits 5: q is unsigned 0..31, 20 bytes per 32 values, (N, K / 32 * 20): the 4-bit layout's 16 bytes
+// of low nibbles, then 4 bytes whose bit j (little-endian) is bit 4 of value j (GGML's Q5 "qh").
 //
 // The product never materialises W: per group it forms dot(x, q) in float32 and adds
 // scale * dot + min * sum(x), so a decode step reads each weight byte once. This is what makes
@@ -23,10 +29,14 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <cstdint>
-#include <optional>
+#include <c10/util/Half.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TG_AVX2 1
 #endif
@@ -36,6 +46,19 @@ namespace {
 // How many activation rows share one pass over a weight row (its integers are converted once).
 constexpr int64_t kRowBlock = 4;
 
+// A scale or min as float32 (exact from float16).
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) {
+#ifdef TG_AVX2
+  return _cvtsh_ss(v.x);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+// Bytes per 32 values of a row.
+constexpr int64_t block_bytes(int bits) { return bits == 8 ? 32 : bits == 4 ? 16 : 20; }
+
 #ifdef TG_AVX2
 
 inline float hsum(__m256 v) {
@@ -43,6 +66,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// 8 scales or mins at p, as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // 8 int8 values at p, as float32.
@@ -55,8 +84,8 @@ inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi
 
 // R weight rows times MB activation rows, bits 8: out[m * R + r] = sum_g s_rg * dot_g(x_m, q_r). The
 // R x MB dot products are independent chains, so the FMA latency overlaps (one chain per row stalls).
-template <int MB, int R>
-inline void rows_q8(const int8_t* q, int64_t q_stride, const float* scales, int64_t groups_stride, int64_t K,
+template <int MB, int R, typename S>
+inline void rows_q8(const int8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                     int64_t G, const float* x, int64_t x_stride, float* acc_out) {
   __m256 total[MB][R];
   for (int m = 0; m < MB; ++m)
@@ -89,7 +118,7 @@ inline void rows_q8(const int8_t* q, int64_t q_stride, const float* scales, int6
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < R; ++r) dot[m][r] = _mm256_add_ps(dot[m][r], odd[m][r]);
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(scales[r * groups_stride + g]);
+      const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
       for (int m = 0; m < MB; ++m) total[m][r] = _mm256_fmadd_ps(s, dot[m][r], total[m][r]);
     }
   }
@@ -97,11 +126,37 @@ inline void rows_q8(const int8_t* q, int64_t q_stride, const float* scales, int6
     for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(total[m][r]);
 }
 
-// The same for bits 4 (G a multiple of 32).
-template <int MB, int R>
-inline void rows_q4(const uint8_t* q, int64_t q_stride, const float* scales, int64_t groups_stride, int64_t K,
-                    int64_t G, const float* x, int64_t x_stride, float* acc_out) {
+// 32 bits at p -> 32 bytes: byte j is 0x10 where bit j is set (bit 4 of 5-bit value j), else 0.
+// Each byte of the broadcast word goes to 8 lanes (shuffle), then each lane tests its own bit.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(word)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i probe = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, probe), probe);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// 32 values of a 4- or 5-bit block at p, as 16 + 16 bytes in order (values 0-15, values 16-31).
+template <int BITS>
+inline void block_bytes_u8(const uint8_t* p, __m128i& lo, __m128i& hi) {
   const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm_and_si128(packed, low);
+  hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+  if constexpr (BITS == 5) {
+    const __m256i fifth = fifth_bits(p + 16);
+    lo = _mm_or_si128(lo, _mm256_castsi256_si128(fifth));
+    hi = _mm_or_si128(hi, _mm256_extracti128_si256(fifth, 1));
+  }
+}
+
+// The same for bits 4 and 5 (G a multiple of 32).
+template <int MB, int R, int BITS, typename S>
+inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
+                    int64_t G, const float* x, int64_t x_stride, float* acc_out) {
   __m256 total[MB][R];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
@@ -112,9 +167,8 @@ inline void rows_q4(const uint8_t* q, int64_t q_stride, const float* scales, int
       for (int r = 0; r < R; ++r) dot[m][r] = _mm256_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       for (int r = 0; r < R; ++r) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * q_stride + k / 2));
-        const __m128i lo = _mm_and_si128(packed, low);                     // values k .. k+15
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);  // values k+16 .. k+31
+        __m128i lo, hi;  // values k .. k+15, k+16 .. k+31
+        block_bytes_u8<BITS>(q + r * q_stride + k / 32 * block_bytes(BITS), lo, hi);
         const __m256 w[4] = {widen_u8(lo), widen_u8(_mm_srli_si128(lo, 8)), widen_u8(hi),
                              widen_u8(_mm_srli_si128(hi, 8))};
         for (int m = 0; m < MB; ++m) {
@@ -124,7 +178,7 @@ inline void rows_q4(const uint8_t* q, int64_t q_stride, const float* scales, int
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(scales[r * groups_stride + g]);
+      const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
       for (int m = 0; m < MB; ++m) total[m][r] = _mm256_fmadd_ps(s, dot[m][r], total[m][r]);
     }
   }
@@ -135,40 +189,62 @@ inline void rows_q4(const uint8_t* q, int64_t q_stride, const float* scales, int
 #endif  // TG_AVX2
 
 // Portable versions (any CPU): the same sums, left to the compiler to vectorise.
-inline int q_at(const int8_t* q, int64_t k) { return q[k]; }
+template <int BITS>
 inline int q_at(const uint8_t* q, int64_t k) {
-  const int64_t base = k & ~int64_t(31), j = k & 31;
-  const uint8_t byte = q[base / 2 + (j & 15)];
-  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+  if constexpr (BITS == 8) {
+    return reinterpret_cast<const int8_t*>(q)[k];
+  } else {
+    const uint8_t* block = q + k / 32 * block_bytes(BITS);
+    const int64_t j = k & 31;
+    const int nibble = j < 16 ? (block[j] & 0x0F) : (block[j - 16] >> 4);
+    if constexpr (BITS == 5) return nibble | (((block[16 + j / 8] >> (j % 8)) & 1) << 4);
+    return nibble;
+  }
 }
 
-template <typename Q>
-inline void row_portable(const Q* q, const float* scales, int64_t K, int64_t G, const float* x,
+template <int BITS, typename S>
+inline void row_portable(const uint8_t* q, const S* scales, int64_t K, int64_t G, const float* x,
                          int64_t x_stride, int64_t rows, float* acc_out) {
   for (int64_t m = 0; m < rows; ++m) {
     const float* xm = x + m * x_stride;
     float total = 0.f;
     for (int64_t g = 0; g < K / G; ++g) {
       float dot = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += xm[k] * static_cast<float>(q_at(q, k));
-      total += scales[g] * dot;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += xm[k] * static_cast<float>(q_at<BITS>(q, k));
+      total += to_float(scales[g]) * dot;
     }
     acc_out[m] = total;
   }
 }
 
+// sum_g mins[g] * xsum[g], the offsets' share of one output. Eight groups at a time where the build
+// has AVX2 (a scalar chain of one add per group cost 7 of 20 ms on the 262144-row head in 5 bits).
+template <typename S>
+inline float min_dot(const S* mins, const float* xsum, int64_t groups) {
+  float y = 0.f;
+  int64_t g = 0;
+#ifdef TG_AVX2
+  if (groups >= 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(load8(mins + g), _mm256_loadu_ps(xsum + g), acc);
+    y = hsum(acc);
+  }
+#endif
+  for (; g < groups; ++g) y += to_float(mins[g]) * xsum[g];
+  return y;
+}
+
 // MB activation rows against R weight rows (out: MB x R), by the best path the build has.
-template <typename Q>
-inline void block_dot(const Q* q, int64_t q_stride, const float* scales, int64_t groups, int64_t K, int64_t G,
+template <int BITS, typename S>
+inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64_t groups, int64_t K, int64_t G,
                       const float* x, int64_t x_stride, int64_t rows, int64_t weights, float* acc_out) {
 #ifdef TG_AVX2
-  constexpr bool four = std::is_same<Q, uint8_t>::value;
   auto run = [&](auto mb, auto r) {
     constexpr int MB = decltype(mb)::value, R = decltype(r)::value;
-    if constexpr (four) {
-      rows_q4<MB, R>(q, q_stride, scales, groups, K, G, x, x_stride, acc_out);
+    if constexpr (BITS == 8) {
+      rows_q8<MB, R>(reinterpret_cast<const int8_t*>(q), q_stride, scales, groups, K, G, x, x_stride, acc_out);
     } else {
-      rows_q8<MB, R>(q, q_stride, scales, groups, K, G, x, x_stride, acc_out);
+      rows_qn<MB, R, BITS>(q, q_stride, scales, groups, K, G, x, x_stride, acc_out);
     }
   };
   using I1 = std::integral_constant<int, 1>;
@@ -177,6 +253,8 @@ inline void block_dot(const Q* q, int64_t q_stride, const float* scales, int64_t
   using I4 = std::integral_constant<int, 4>;
   if (weights == 4 && rows == 1) return run(I1{}, I4{});
   if (weights == 2 && rows == 2) return run(I2{}, I2{});
+  if (weights == 2 && rows == 1) return run(I1{}, I2{});
+  TORCH_CHECK(weights == 1, "qlinear: no kernel for ", rows, " x ", weights, " rows");
   switch (rows) {  // weights == 1
     case 4: return run(I4{}, I1{});
     case 3: return run(I3{}, I1{});
@@ -186,7 +264,7 @@ inline void block_dot(const Q* q, int64_t q_stride, const float* scales, int64_t
 #else
   for (int64_t r = 0; r < weights; ++r) {
     float acc[kRowBlock];
-    row_portable(q + r * q_stride, scales + r * groups, K, G, x, x_stride, rows, acc);
+    row_portable<BITS>(q + r * q_stride, scales + r * groups, K, G, x, x_stride, rows, acc);
     for (int64_t m = 0; m < rows; ++m) acc_out[m * weights + r] = acc[m];
   }
 #endif
@@ -195,31 +273,54 @@ inline void block_dot(const Q* q, int64_t q_stride, const float* scales, int64_t
 // How many weight rows one pass takes for `rows` activation rows (register budget: MB x R chains).
 // Measured (AMD EPYC, one thread, 262144 x 640): 4-bit rows unpack in more steps and gain from
 // four independent chains (16.0 -> 12.3 ms); 8-bit rows stream fastest one at a time (14 ms; 27-34
-// ms with two or four, whose interleaved loads the prefetcher serves worse).
+// ms with two or four, whose interleaved loads the prefetcher serves worse). 5-bit rows (the fifth bits
+// take more registers): two at a time for one or two activation rows (one row, 262144 x 640 with
+// float16 scales: 18.4 ms with one, 17.5 with two, 19.7 with four; 8-bit rows take 13.3).
 inline int64_t weight_block(int64_t rows, int64_t bits) {
   if (bits == 8) return 1;
+  if (bits == 5) return rows <= 2 ? 2 : 1;
   return rows == 1 ? 4 : rows == 2 ? 2 : 1;
 }
 
 void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                   int64_t bits, int64_t group, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qlinear: bits must be 4, 5 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qlinear: qweight must be a contiguous 2-D tensor");
   TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "qlinear: qweight of bits ", bits,
               " must be ", bits == 8 ? "int8" : "uint8", ", got ", qweight.scalar_type());
+  TORCH_CHECK(bits != 5 || qweight.size(1) % 20 == 0, "qlinear: 5-bit rows take 20 bytes per 32 values, got ",
+              qweight.size(1));
   TORCH_CHECK(group > 0 && K % group == 0 && group % (bits == 8 ? 8 : 32) == 0, "qlinear: group size ", group,
               " does not divide ", K, " values into whole blocks of ", bits == 8 ? 8 : 32);
   const int64_t N = qweight.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == N && scales.size(1) == K / group,
-              "qlinear: scales must be float32 (", N, ", ", K / group, "), got ", scales.sizes());
+              "qlinear: scales must be float32 or float16 (", N, ", ", K / group, "), got ", scales.scalar_type(),
+              " ", scales.sizes());
   if (mins) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "qlinear: mins must be float32 of the scales' shape ", scales.sizes(), ", got ", mins->sizes());
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(),
+                "qlinear: mins must be of the scales' dtype and shape ", scales.sizes(), ", got ",
+                mins->scalar_type(), " ", mins->sizes());
   }
 }
 
-int64_t in_features(const at::Tensor& qweight, int64_t bits) { return qweight.size(1) * (bits == 4 ? 2 : 1); }
+int64_t in_features(const at::Tensor& qweight, int64_t bits) {
+  return bits == 8 ? qweight.size(1) : bits == 4 ? qweight.size(1) * 2 : qweight.size(1) / 20 * 32;
+}
+
+// Calls f(std::integral_constant<int, bits>{}, S{}) for the layout's bits and scale type.
+template <typename F>
+void dispatch(int64_t bits, const at::Tensor& scales, F&& f) {
+  auto with_bits = [&](auto scale) {
+    if (bits == 8) return f(std::integral_constant<int, 8>{}, scale);
+    if (bits == 5) return f(std::integral_constant<int, 5>{}, scale);
+    return f(std::integral_constant<int, 4>{}, scale);
+  };
+  if (scales.scalar_type() == at::kHalf) return with_bits(c10::Half{});
+  return with_bits(float{});
+}
 
 // x (M, K) float32 -> (M, N) float32.
 at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
@@ -235,9 +336,12 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   at::Tensor xsum;
   if (mins) xsum = x.view({M, groups, group}).sum(-1).contiguous();  // (M, groups)
 
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+  constexpr int BITS = decltype(bits_tag)::value;
+  using S = decltype(scale_tag);
   const float* xp = x.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  const S* sp = static_cast<const S*>(scales.data_ptr());
+  const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
   const float* xs = mins ? xsum.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = qweight.size(1);
@@ -252,21 +356,13 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
       for (int64_t n = n0; n < n1;) {
         const int64_t block = weight_block(rows, bits);
         const int64_t weights = n + block <= n1 ? block : 1;
-        const uint8_t* qrow = qp + n * row_bytes;
-        const float* srow = sp + n * groups;
-        if (bits == 8) {
-          block_dot(reinterpret_cast<const int8_t*>(qrow), row_bytes, srow, groups, K, group, xp + m0 * K, K, rows,
-                    weights, acc);
-        } else {
-          block_dot(qrow, row_bytes, srow, groups, K, group, xp + m0 * K, K, rows, weights, acc);
-        }
+        block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp + m0 * K, K, rows,
+                        weights, acc);
         for (int64_t m = 0; m < rows; ++m) {
           for (int64_t r = 0; r < weights; ++r) {
             float y = acc[m * weights + r];
             if (mp) {
-              const float* mrow = mp + (n + r) * groups;
-              const float* xsm = xs + (m0 + m) * groups;
-              for (int64_t g = 0; g < groups; ++g) y += mrow[g] * xsm[g];
+              y += min_dot(mp + (n + r) * groups, xs + (m0 + m) * groups, groups);
             }
             op[(m0 + m) * N + n + r] = y;
           }
@@ -274,6 +370,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
         n += weights;
       }
     }
+  });
   });
   auto shape = x_in.sizes().vec();
   shape.back() = N;
@@ -286,51 +383,52 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, c
   const int64_t K = in_features(qweight, bits);
   check_layout(qweight, scales, mins, bits, group, K);
   const int64_t N = qweight.size(0), groups = K / group, row_bytes = qweight.size(1);
-  at::Tensor out = at::empty({N, K}, scales.options());
-  const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qrow = qp + n * row_bytes;
+  at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* qrow = qp + n * row_bytes;
+        float* orow = op + n * K;
 #ifdef TG_AVX2
-      // 8 values at a time: multiply, then add (two roundings, as the scalar loop below).
-      float* orow = op + n * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m256 s = _mm256_set1_ps(sp[n * groups + g]);
-        const __m256 b = _mm256_set1_ps(mp ? mp[n * groups + g] : 0.f);
-        for (int64_t k = g * group; k < (g + 1) * group; k += bits == 8 ? 8 : 32) {
-          __m256 w[4];
-          int count = 1;
-          if (bits == 8) {
-            w[0] = load_i8(reinterpret_cast<const int8_t*>(qrow) + k);
-          } else {
-            const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k / 2));
-            const __m128i low = _mm_set1_epi8(0x0F);
-            const __m128i lo = _mm_and_si128(packed, low), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-            w[0] = widen_u8(lo), w[1] = widen_u8(_mm_srli_si128(lo, 8));
-            w[2] = widen_u8(hi), w[3] = widen_u8(_mm_srli_si128(hi, 8));
-            count = 4;
-          }
-          for (int j = 0; j < count; ++j) {
-            __m256 v = _mm256_mul_ps(s, w[j]);
-            if (mp) v = _mm256_add_ps(v, b);
-            _mm256_storeu_ps(orow + k + 8 * j, v);
+        // 8 values at a time: multiply, then add (two roundings, as the scalar loop below).
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m256 s = _mm256_set1_ps(to_float(sp[n * groups + g]));
+          const __m256 b = _mm256_set1_ps(mp ? to_float(mp[n * groups + g]) : 0.f);
+          for (int64_t k = g * group; k < (g + 1) * group; k += BITS == 8 ? 8 : 32) {
+            __m256 w[4];
+            int count = 1;
+            if constexpr (BITS == 8) {
+              w[0] = load_i8(reinterpret_cast<const int8_t*>(qrow) + k);
+            } else {
+              __m128i lo, hi;
+              block_bytes_u8<BITS>(qrow + k / 32 * block_bytes(BITS), lo, hi);
+              w[0] = widen_u8(lo), w[1] = widen_u8(_mm_srli_si128(lo, 8));
+              w[2] = widen_u8(hi), w[3] = widen_u8(_mm_srli_si128(hi, 8));
+              count = 4;
+            }
+            for (int j = 0; j < count; ++j) {
+              __m256 v = _mm256_mul_ps(s, w[j]);
+              if (mp) v = _mm256_add_ps(v, b);
+              _mm256_storeu_ps(orow + k + 8 * j, v);
+            }
           }
         }
-      }
-      continue;
+        continue;
 #endif
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t g = k / group;
-        const float q = bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(qrow)[k])
-                                  : static_cast<float>(q_at(qrow, k));
-        float w = sp[n * groups + g] * q;
-        if (mp) w = w + mp[n * groups + g];
-        op[n * K + k] = w;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t g = k / group;
+          float w = to_float(sp[n * groups + g]) * static_cast<float>(q_at<BITS>(qrow, k));
+          if (mp) w = w + to_float(mp[n * groups + g]);
+          orow[k] = w;
+        }
       }
-    }
+    });
   });
   return out;
 }
