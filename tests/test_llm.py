@@ -173,9 +173,9 @@ def test_chat_sanitizes_typed_control_tokens_unless_told_not_to(llm, hf_tokenize
     prompts = []
     original = llm.inputs
 
-    def recording_inputs(rows, images=None, audio=None):
+    def recording_inputs(rows, images=None, audio=None, videos=None):
         prompts.append([list(row) for row in rows])
-        return original(rows, images, audio)
+        return original(rows, images, audio, videos)
 
     monkeypatch.setattr(llm, "inputs", recording_inputs)
     for sanitize in (True, False):

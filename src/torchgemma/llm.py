@@ -22,7 +22,6 @@ top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,6 +136,8 @@ class LLM:
             quantize = auto_quantization(source)
         folder = resolve_source(source)
         self.folder = folder
+        # Gemma 3n: chat templates with the audio placeholder expanded, by template (chat_template_for).
+        self._expanded_templates: dict[str, str] = {}
         self.model = load(
             folder, dtype=dtype, device=device, attention=attention, progress=progress, quantize=quantize
         )
@@ -262,19 +263,14 @@ class LLM:
 
         With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         images, audio = collect_media(messages)
-        template = self.chat_template_for(audio)
-        if template is not None:
-            ids = self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=True,
-                enable_thinking=enable_thinking,
-                chat_template=template,
-                sanitize_control_tokens=sanitize_control_tokens,
-            )
-            return self.inputs([ids], images, audio, collect_videos(messages))
-        ids = self.chat_ids(messages, enable_thinking, sanitize_control_tokens=sanitize_control_tokens)
-        videos = collect_videos(messages)
-        return self.inputs([ids], images, audio, videos) if videos else self.inputs([ids], images, audio)
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+            sanitize_control_tokens=sanitize_control_tokens,
+            chat_template=self.chat_template_for(audio),
+        )
+        return self.inputs([ids], images, audio, collect_videos(messages))
 
     @property
     def takes_audio(self) -> bool:
@@ -286,17 +282,21 @@ class LLM:
             or (config.model_type == "gemma4_unified" and config.unified_audio is not None)
         )
 
-    def chat_template_for(self, audio: Sequence[Any]) -> str | None:
-        """The chat template a conversation with these audio clips renders with: None (the
-        tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in the
-        text, as Gemma3nProcessor's does (the server renders conversations itself and uses this)."""
+    def chat_template_for(self, audio: Sequence[Any], tools: Sequence[Any] | None = None) -> str | None:
+        """The chat template a conversation with these audio clips (and ``tools``) renders with: None
+        (the tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in
+        the text, as Gemma3nProcessor's does (the server renders conversations itself and uses this).
+        Expanded once per template, on first use."""
         if not audio or self.model.config.gemma3n_audio is None:
             return None
-        return gemma3n_audio.expand_audio_in_template(
-            select_chat_template(self.tokenizer.chat_template, source=self.tokenizer.name_or_path),
-            self.tokenizer,
-            self.model.config.gemma3n_audio.soft_tokens_per_clip,
+        template = select_chat_template(
+            self.tokenizer.chat_template, tools=tools, source=self.tokenizer.name_or_path
         )
+        if template not in self._expanded_templates:
+            self._expanded_templates[template] = gemma3n_audio.expand_audio_in_template(
+                template, self.tokenizer, self.model.config.gemma3n_audio.soft_tokens_per_clip
+            )
+        return self._expanded_templates[template]
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -583,12 +583,7 @@ class LLM:
                 f"but this vision tower takes {vision.patch_size} px patches pooled "
                 f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
             )
-        if (
-            audio
-            and config.audio_config is None
-            and config.model_type != "gemma4_unified"
-            and config.gemma3n_audio is None
-        ):
+        if audio and not self.takes_audio:
             raise ValueError(
                 f"this checkpoint has no audio tower torchgemma builds ({self.model.towers_note}): "
                 "it cannot take audio"
@@ -599,17 +594,16 @@ class LLM:
             raise ValueError(f"the tokenizer lacks a multimodal token: {error}") from error
         # The model fills the positions of its config's ids; the tokenizer must write the same ones.
         named = [("image", tokens.image), ("audio", tokens.audio)]
+        expected = config.token_ids
         if config.gemma3n_audio is not None:  # Gemma 3n: audio only; its id is in the audio config
             named = [("audio", tokens.audio)]
-            config = dataclasses.replace(
-                config, token_ids={"audio_token_id": config.gemma3n_audio.audio_token_id}
-            )
+            expected = {"audio_token_id": config.gemma3n_audio.audio_token_id}
         if videos:
             if tokens.video is None:
                 raise ValueError("the tokenizer has no <|video|> token: it cannot take videos")
             named.append(("video", tokens.video))
         for name, ours in named:
-            theirs = config.token_ids.get(f"{name}_token_id")
+            theirs = expected.get(f"{name}_token_id")
             if theirs != ours:
                 raise ValueError(
                     f"the tokenizer's {name} token id {ours} differs from config.json's {theirs}"

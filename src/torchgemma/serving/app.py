@@ -260,7 +260,7 @@ def create_app(
                 enable_thinking=thinking,
                 tools=tools if choice != "none" else None,
                 sanitize_control_tokens=True,
-                chat_template=llm.chat_template_for(audio),
+                chat_template=llm.chat_template_for(audio, tools if choice != "none" else None),
             )
         except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
             raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error
