@@ -5,10 +5,12 @@
     python benchmarks/numerics.py claims   # QK-norm, the 1/sqrt(d) scale and RMSNorm's order, measured
     python benchmarks/numerics.py all --plots docs/numerics
 
-Every run is compared with ``torchgemma.debug`` against ``torchgemma.reference`` (NumPy, float64) on
-the same tokens: the logits' max |Δ|, the mean KL divergence from the reference's distribution, the
-positions whose top-1 token agrees, and per decoder layer the residual stream's relative error
-(max |Δ| over max |x|). Prints Markdown tables.
+``tiny`` and ``real`` compare every run with ``torchgemma.debug`` against ``torchgemma.reference``
+(NumPy, float64) on the same tokens: the logits' max |Δ|, the mean KL divergence from the
+reference's distribution, the positions whose top-1 token agrees, and per decoder layer the residual
+stream's relative error (max |Δ| over max |x|). ``claims`` compares the attention variants against
+our float64 model as trained, and the bf16 RMSNorm orders against the float64 reference (64 tokens)
+and our float32 model (512 tokens, greedy continuations). Prints Markdown tables.
 """
 
 from __future__ import annotations

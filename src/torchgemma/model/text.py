@@ -468,7 +468,8 @@ class DecoderLayer(nn.Module):
 
         if self.altup is not None:
             streams = self.altup.correct(streams, x)
-            active = streams[self.altup.active].clone()
+            # (A view: the update below is computed from it before the streams change in place.)
+            active = streams[self.altup.active]
             if self.altup_correct_scale:
                 active = active * self.altup.correct_output_scale
             # The per-layer input reaches the streams from 1 on (the reference's indices), not x.

@@ -651,8 +651,8 @@ _DECODERS = {
 # products, then the same sum: "- dmin * m" is "+ (-(dmin * m))"). torchgemma.quantization reads
 # this layout: 8-bit values as int8; 4-bit values two per byte, within each 32 values byte j holding
 # value j (low nibble) and value j + 16 (high nibble), which is Q4_0/Q4_1's own packing. Q5 values go
-# in as 8-bit ones: the 5-bit layout (kernels.pack) reads 26% fewer bytes, but its unpacking makes the
-# one-thread AVX2 product slower than the 8-bit one (real 270M decode step, its Q5_0 layers in 5 bits:
+# in as 8-bit ones: the 5-bit layout (kernels.pack) reads 0.69 bytes per weight instead of 1.06 (with
+# float16 scales), but its unpacking makes the one-thread AVX2 product slower than the 8-bit one (real 270M decode step, its Q5_0 layers in 5 bits:
 # 32.8 ms, in 8 bits: 31.0 ms). Scales and offsets are stored as float16 where that holds every one
 # exactly (the blocks' own fp16 fields, and -8 d unless it overflows), else as float32 (Q4_K/Q6_K's
 # products d * scale).
@@ -967,9 +967,10 @@ class GGUFCheckpoint:
             (info,) = parts
             tensor = (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
         elif entry.part is not None:
-            # A stacked source: dequantized whole (in float32, then cast), one matrix kept.
+            # A stacked source: dequantized whole (in float32, then cast), one matrix kept, copied
+            # out (a view would keep the whole stack alive in the parameter that adopts it).
             (info,) = parts
-            tensor = dequantize(self._file.raw(info), info.qtype, info.shape)[entry.part].to(dtype)
+            tensor = dequantize(self._file.raw(info), info.qtype, info.shape)[entry.part].clone().to(dtype)
         else:
             values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
             tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .loading import TEXT_ONLY_TYPES
 from .source import resolve_source
 
 # What a checkpoint folder holds besides its weights and config: copied by ``copy_from``.
@@ -34,7 +35,7 @@ SIDE_FILES = (
 def checkpoint_name(module_path: str, model_type: str) -> str:
     """The checkpoint tensor name of a module path (``language_model.norm.weight``), as published:
     ``model.`` + the path, except that ``*ForCausalLM`` text checkpoints drop ``language_model.``."""
-    if model_type in ("gemma4_text", "gemma3_text", "gemma3n_text", "gemma4_unified_text"):
+    if model_type in TEXT_ONLY_TYPES:
         return "model." + module_path.removeprefix("language_model.")
     if model_type == "gemma3n" and module_path.startswith(
         ("language_model.embed_vision.", "language_model.embed_audio.")
