@@ -263,27 +263,8 @@ class CompareReport:
 
 def capture_torchgemma(model: nn.Module, input_ids: torch.Tensor, label: str = "torchgemma") -> Capture:
     """Run our model once with a hook on every text-decoder module."""
-    outputs: dict[str, np.ndarray] = {}
-
-    def hook(name):
-        def record(module, args, output):
-            found = _float_tensors(output)
-            if found:
-                outputs["model." + name] = _wide(found[0])
-
-        return record
-
-    handles = [
-        module.register_forward_hook(hook(name))
-        for name, module in model.named_modules()
-        if name.startswith("language_model.")
-    ]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    names = {n: "model." + n for n, _ in model.named_modules() if n.startswith("language_model.")}
+    outputs, logits = _captured(model, names, lambda: model(input_ids))
     return Capture(label, outputs, _wide(logits[0]))
 
 
@@ -291,28 +272,33 @@ def capture_transformers(model: nn.Module, input_ids: torch.Tensor, label: str =
     """Run a transformers Gemma model once with a hook on every text-decoder module; names are
     brought to the ``gemma4`` layout (``model.layers.3`` of a ``*ForCausalLM`` becomes
     ``model.language_model.layers.3``)."""
+    names = {n: _transformers_text_name(n) for n, _ in model.named_modules()}
+    names = {n: text for n, text in names.items() if text is not None}
+    outputs, logits = _captured(model, names, lambda: model(input_ids, use_cache=False).logits)
+    return Capture(label, outputs, _wide(logits[0]))
+
+
+def _captured(model: nn.Module, names: dict[str, str], run) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+    """``run()`` under ``no_grad`` with a hook on each module of ``names`` (module name -> the name
+    to record it under): each one's first floating-point output, in float64, and ``run()``'s result."""
     outputs: dict[str, np.ndarray] = {}
 
-    def hook(name):
+    def hook(key):
         def record(module, args, output):
-            found = _float_tensors(output if not hasattr(output, "to_tuple") else output.to_tuple())
+            found = _float_tensors(output.to_tuple() if hasattr(output, "to_tuple") else output)
             if found:
-                outputs[name] = _wide(found[0])
+                outputs[key] = _wide(found[0])
 
         return record
 
-    handles = []
-    for name, module in model.named_modules():
-        text_name = _transformers_text_name(name)
-        if text_name is not None:
-            handles.append(module.register_forward_hook(hook(text_name)))
+    handles = [m.register_forward_hook(hook(names[n])) for n, m in model.named_modules() if n in names]
     try:
         with torch.no_grad():
-            logits = model(input_ids, use_cache=False).logits
+            result = run()
     finally:
         for handle in handles:
             handle.remove()
-    return Capture(label, outputs, _wide(logits[0]))
+    return outputs, result
 
 
 def capture_reference(weights: dict, config, input_ids: torch.Tensor) -> Capture:
