@@ -16,7 +16,7 @@ to the previous added token), as encoding the expanded prompt would.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,20 +183,55 @@ def prepare_media_prompts(
     ``tokenizer``; ``video_soft_tokens`` and ``num_frames`` are their soft tokens per frame and
     frames kept.
     """
+
+    def audio_fn(clips):
+        processed = process_audio(clips)
+        return processed, audio_soft_token_counts(processed["input_features_mask"])
+
+    return media_prompts(
+        rows,
+        tokens,
+        tokenizer,
+        images=images,
+        audio=audio,
+        videos=videos,
+        image_fn=lambda batch: process_images(batch, max_soft_tokens=max_soft_tokens),
+        audio_fn=audio_fn,
+        video_fn=lambda batch: process_videos(
+            batch, num_frames=num_frames, max_soft_tokens=video_soft_tokens
+        ),
+    )
+
+
+def media_prompts(
+    rows: Sequence[Sequence[int]],
+    tokens: MediaTokens,
+    tokenizer: Any,
+    *,
+    images: Sequence[Any],
+    audio: Sequence[Any],
+    videos: Sequence[Any],
+    image_fn: Callable[[list], dict[str, Any]],
+    audio_fn: Callable[[list], tuple[dict[str, Any], list[int]]],
+    video_fn: Callable[[list], dict[str, Any]],
+) -> dict[str, Any]:
+    """What every model's prompt preparation shares: each kind given is preprocessed by its function
+    (``image_fn`` and ``video_fn`` return their tensors with ``num_soft_tokens``, videos also
+    ``timestamps``; ``audio_fn`` returns its tensors and each clip's soft-token count), then the
+    placeholders of ``rows`` are expanded (``expand_placeholders``)."""
     out: dict[str, Any] = {}
     image_counts: list[int] = []
     audio_counts: list[int] = []
     video_tokens: list[VideoTokens] = []
     if images:
-        processed = process_images(list(images), max_soft_tokens=max_soft_tokens)
+        processed = image_fn(list(images))
         image_counts = processed.pop("num_soft_tokens")
         out.update(processed)
     if audio:
-        processed = process_audio(list(audio))
-        audio_counts = audio_soft_token_counts(processed["input_features_mask"])
+        processed, audio_counts = audio_fn(list(audio))
         out.update(processed)
     if videos:
-        processed = process_videos(list(videos), num_frames=num_frames, max_soft_tokens=video_soft_tokens)
+        processed = video_fn(list(videos))
         video_tokens = [
             VideoTokens(n, times)
             for n, times in zip(processed.pop("num_soft_tokens"), processed.pop("timestamps"))

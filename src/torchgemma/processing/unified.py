@@ -28,7 +28,7 @@ from PIL import Image
 
 from .audio import SAMPLING_RATE, AudioInput, load_audio, resample
 from .image import ImageInput, _check_budget, _load_image_file, _patchify, _pil_to_rgb, image_resize_target
-from .prompt import MediaTokens, VideoTokens, expand_placeholders
+from .prompt import MediaTokens, media_prompts
 from .video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS, VideoInput, process_videos
 
 
@@ -185,34 +185,27 @@ def prepare_unified_prompts(
     timestamp, then ``<|image>`` + one ``<|video|>`` per merged patch + ``<image|>``; this needs the
     ``tokenizer``) (processing_gemma4_unified.py ``replace_*_token``). Returns unpadded ``input_ids``
     / ``mm_token_type_ids`` rows and the media tensors."""
-    out: dict[str, Any] = {}
-    image_counts: list[int] = []
-    audio_counts: list[int] = []
-    if images:
-        processed = process_unified_images(
-            list(images), max_soft_tokens, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size
-        )
-        image_counts = processed.pop("num_soft_tokens")
-        out.update(processed)
-    if audio:
+
+    def audio_fn(clips):
         processed = frame_audio(
-            [load_unified_audio(clip, i) for i, clip in enumerate(audio)], samples_per_token
+            [load_unified_audio(clip, i) for i, clip in enumerate(clips)], samples_per_token
         )
-        audio_counts = [int(mask.sum()) for mask in processed["input_features_mask"]]
-        out.update(processed)
-    video_tokens: list[VideoTokens] = []
-    if videos:
-        # Gemma4UnifiedVideoProcessor = Gemma4VideoProcessor + the k x k merge (= merged-size patches).
-        side = patch_size * pooling_kernel_size
-        processed = process_videos(
-            list(videos), num_frames, video_soft_tokens, patch_size=side, pooling_kernel_size=1
-        )
-        video_tokens = [
-            VideoTokens(n, times)
-            for n, times in zip(processed.pop("num_soft_tokens"), processed.pop("timestamps"))
-        ]
-        out.update(processed)
-    out["input_ids"], out["mm_token_type_ids"] = expand_placeholders(
-        rows, tokens, image_counts, audio_counts, video_tokens, tokenizer
+        return processed, [int(mask.sum()) for mask in processed["input_features_mask"]]
+
+    # Gemma4UnifiedVideoProcessor = Gemma4VideoProcessor + the k x k merge (= merged-size patches).
+    side = patch_size * pooling_kernel_size
+    return media_prompts(
+        rows,
+        tokens,
+        tokenizer,
+        images=images,
+        audio=audio,
+        videos=videos,
+        image_fn=lambda batch: process_unified_images(
+            batch, max_soft_tokens, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size
+        ),
+        audio_fn=audio_fn,
+        video_fn=lambda batch: process_videos(
+            batch, num_frames, video_soft_tokens, patch_size=side, pooling_kernel_size=1
+        ),
     )
-    return out
