@@ -254,31 +254,29 @@ def collect_media(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], lis
     writes their placeholders: ``{"type": "image", "image" | "url" | "path": ...}`` and
     ``{"type": "audio", "audio" | "url" | "path": ...}``. Videos: see ``collect_videos``."""
     images, audio = [], []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) or content is None:
-            continue
-        for item in content:
-            kind = item.get("type") if isinstance(item, Mapping) else None
-            if kind == "image":
-                images.append(_media_source(item, _IMAGE_KEYS, kind))
-            elif kind == "audio":
-                audio.append(_media_source(item, _AUDIO_KEYS, kind))
+    for item in _content_items(messages):
+        kind = item.get("type")
+        if kind == "image":
+            images.append(_media_source(item, _IMAGE_KEYS, kind))
+        elif kind == "audio":
+            audio.append(_media_source(item, _AUDIO_KEYS, kind))
     return images, audio
 
 
 def collect_videos(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
     """The videos of a conversation's ``{"type": "video", "video" | "url" | "path": ...}`` items
     (a path, a list of frames, a 4-D array or a ``Video``), in placeholder order."""
-    videos = []
+    items = _content_items(messages)
+    return [_media_source(item, _VIDEO_KEYS, "video") for item in items if item.get("type") == "video"]
+
+
+def _content_items(messages: Sequence[Mapping[str, Any]]):
+    """The mapping items of the messages' list contents, in order (string contents hold none)."""
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) or content is None:
             continue
-        for item in content:
-            if isinstance(item, Mapping) and item.get("type") == "video":
-                videos.append(_media_source(item, _VIDEO_KEYS, "video"))
-    return videos
+        yield from (item for item in content if isinstance(item, Mapping))
 
 
 def _media_source(item: Mapping[str, Any], keys: tuple[str, ...], kind: str) -> Any:
