@@ -375,13 +375,17 @@ class AltUp(nn.Module):
 
     def correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
         """(N, B, T, H): each prediction plus the active stream's innovation, weighted per token."""
-        n = predictions.shape[0]
         modalities = self.route(activated)
-        innovation = (activated - predictions[self.active]).repeat(n, 1, 1, 1)
+        innovation = activated - predictions[self.active]  # (B, T, H), broadcast over the N streams
         coefs = self.correction_coefs(modalities) + 1.0
-        corrected = torch.mul(innovation, coefs.permute(2, 0, 1).unsqueeze(-1))  # coefs (N, B, T, 1)
+        corrected = innovation * coefs.permute(2, 0, 1).unsqueeze(-1)  # coefs (N, B, T, 1)
         corrected += predictions
-        return corrected.contiguous()
+        return corrected
+
+
+def _rescaled(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """AltUp: ``y`` scaled to the RMS ``target`` (its own RMS floored at sqrt(1e-5))."""
+    return y * target / torch.sqrt(torch.mean(y**2, dim=-1, keepdim=True).clamp(min=1e-5))
 
 
 class Laurel(nn.Module):
@@ -648,22 +652,14 @@ class TextModel(nn.Module):
     def altup_streams(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> AltUp's (N, B, T, H): x, and its projections rescaled to x's RMS."""
         target = torch.mean(x**2, dim=-1, keepdim=True) ** 0.5
-        streams = [x]
-        for projection in self.altup_projections:
-            y = projection(x)
-            rms = torch.sqrt(torch.mean(y**2, dim=-1, keepdim=True).clamp(min=1e-5))
-            streams.append(y * target / rms)
-        return torch.stack(streams)
+        return torch.stack([x] + [_rescaled(projection(x), target) for projection in self.altup_projections])
 
     def altup_merge(self, streams: torch.Tensor) -> torch.Tensor:
         """(N, B, T, H) -> (B, T, H): the mean of stream 0 and the others' projections back,
         each rescaled to stream 0's RMS."""
         target = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
-        merged = [streams[0]]
-        for stream, projection in zip(streams[1:], self.altup_unembed_projections):
-            y = projection(stream)
-            rms = torch.sqrt(torch.mean(y**2, dim=-1, keepdim=True).clamp(min=1e-5))
-            merged.append(y * target / rms)
+        projected = zip(streams[1:], self.altup_unembed_projections)
+        merged = [streams[0]] + [_rescaled(projection(stream), target) for stream, projection in projected]
         return torch.mean(torch.stack(merged), dim=0)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
