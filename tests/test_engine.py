@@ -20,10 +20,11 @@ GREEDY = dict(temperature=0, stop_token_ids=[])
 
 
 class RecordingEngine(Engine):
-    """Keeps every request's logits, to compare runs beyond their tokens."""
+    """Keeps every request's logits, to compare runs beyond their tokens (so greedy requests get
+    their logits too: no greedy head)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, greedy_head=False, **kwargs)
         self.logits: dict = {}
 
     def _emit(self, request, logits):

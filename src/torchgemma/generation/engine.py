@@ -120,6 +120,7 @@ class Engine:
         generation_config: GenerationConfig | Mapping[str, Any] | None = None,
         cache: KVCache | None = None,
         preallocate: bool = True,
+        greedy_head: bool = True,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -149,6 +150,10 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._compiled = getattr(model, "compiled_decode", None)
+        # Plain greedy requests (no penalty, constraint or log-probabilities) take their token from
+        # the head's argmax alone, which a quantized head finds without computing every logit
+        # exactly (TextModel.greedy): the same token, ~30% less of the head's time on the CPU.
+        self.greedy_head = greedy_head
 
     # ── the contract ─────────────────────────────────────────────────────────────────────────
 
@@ -228,15 +233,10 @@ class Engine:
         decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
         with torch.inference_mode():
             for group in self._prefill_groups():
-                for members, logits in self._prefill_isolated(group):
-                    outputs += [
-                        self._emit(request, logits[i : i + 1])
-                        for i, request in enumerate(members)
-                        if request.prefilled == len(request.prompt)
-                    ]
+                for members, choices in self._prefill_isolated(group):
+                    outputs += [self._emit(request, choice) for request, choice in zip(members, choices)]
             if decoding:
-                logits = self._decode(decoding)
-                outputs += [self._emit(r, logits[i : i + 1]) for i, r in enumerate(decoding)]
+                outputs += [self._emit(r, choice) for r, choice in zip(decoding, self._decode(decoding))]
         return outputs
 
     def abort_request(self, request_id: Hashable) -> None:
@@ -344,16 +344,21 @@ class Engine:
             request.finish_reason = "stop"
         return token
 
-    def _emit(self, request: Request, logits: torch.Tensor) -> tuple[Hashable, int, bool]:
-        """Pick the request's next token from its logits (1, V) and record it."""
-        history = None
-        if request.params.repetition_penalty not in (None, 1.0):
-            history = torch.tensor([request.prompt + request.output], device=logits.device)
-        token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
-        if request.constraint is not None:
-            token = self._constrained(request, logits, token, history)
-        if request.logprobs is not None:
-            self.logprobs[request.request_id] = _logprobs(logits[0], token, request.logprobs)
+    def _emit(self, request: Request, choice: torch.Tensor | int) -> tuple[Hashable, int, bool]:
+        """Pick the request's next token from its logits (1, V), or take the one already chosen
+        (a plain greedy request's), and record it."""
+        if isinstance(choice, int):
+            token = choice
+        else:
+            logits = choice
+            history = None
+            if request.params.repetition_penalty not in (None, 1.0):
+                history = torch.tensor([request.prompt + request.output], device=logits.device)
+            token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
+            if request.constraint is not None:
+                token = self._constrained(request, logits, token, history)
+            if request.logprobs is not None:
+                self.logprobs[request.request_id] = _logprobs(logits[0], token, request.logprobs)
         request.output.append(token)
         if request.finish_reason is not None or token in request.stop_token_ids:
             request.finish_reason = "stop"
@@ -385,7 +390,7 @@ class Engine:
             groups.setdefault(key, []).append(request)
         return list(groups.values())
 
-    def _prefill_isolated(self, group: list[Request]) -> list[tuple[list[Request], torch.Tensor]]:
+    def _prefill_isolated(self, group: list[Request]) -> list[tuple[list[Request], list]]:
         """Prefill a group; if its forward fails, its members fail (and only they).
 
         What depends on one request's inputs (media embedding) runs alone before this and fails
@@ -393,7 +398,7 @@ class Engine:
         forward may have overwritten ring columns, so its members cannot simply retry.
         """
         try:
-            return [(group, self._prefill(group))]
+            return [self._prefill(group)]
         except Exception as error:  # noqa: BLE001 - reported per request
             for request in group:
                 self._fail(request, error)
@@ -415,9 +420,9 @@ class Engine:
                 end += 1
         return start, end
 
-    def _prefill(self, group: list[Request]) -> torch.Tensor:
-        """The next chunk of each request of a group in one forward: float32 logits (n, V) of each
-        chunk's last token (used by the requests whose prompt that chunk completes)."""
+    def _prefill(self, group: list[Request]) -> tuple[list[Request], list]:
+        """The next chunk of each request of a group in one forward: the requests whose prompt
+        that chunk completes, and what picks each one's first token (``_choices``)."""
         model, device = self.model, self.model.device
         chunks = [self._next_chunk(request) for request in group]
         first = group[0]
@@ -428,19 +433,46 @@ class Engine:
         else:
             tokens = [request.prompt[start:end] for request, (start, end) in zip(group, chunks)]
             text_ids, embeds, blocks = model.text_ids(torch.tensor(tokens, device=device)), None, None
-        logits = model.language_model(
+        normed = model.language_model(
             text_ids,
             cache=self.cache,
             keep_last=1,
             slots=[request.slot for request in group],
             inputs_embeds=embeds,
             vision_blocks=blocks,
+            head=False,
         )
-        for request, (_, end) in zip(group, chunks):
+        done = []
+        for i, (request, (_, end)) in enumerate(zip(group, chunks)):
             request.prefilled = end
             if end == len(request.prompt):
                 request.embeds = request.text_ids = request.blocks = None
-        return logits[:, -1].float()
+                done.append(i)
+        return [group[i] for i in done], self._choices([group[i] for i in done], normed[done, -1])
+
+    def _choices(self, requests: list[Request], normed: torch.Tensor) -> list[torch.Tensor | int]:
+        """For each request, from its final-normed hidden state (n, H): its greedy token where
+        that is all it needs, else its float32 logits (1, V)."""
+        lm = self.model.language_model
+        plain = [
+            i
+            for i, r in enumerate(requests)
+            if self.greedy_head
+            and r.params.greedy
+            and r.params.repetition_penalty in (None, 1.0)
+            and r.constraint is None
+            and r.logprobs is None
+        ]
+        rest = [i for i in range(len(requests)) if i not in plain]
+        choices: list[torch.Tensor | int] = [0] * len(requests)
+        if plain:
+            for i, token in zip(plain, lm.greedy(normed[plain]).tolist()):
+                choices[i] = token
+        if rest:
+            logits = lm.logits(normed[rest]).float()
+            for j, i in enumerate(rest):
+                choices[i] = logits[j : j + 1]
+        return choices
 
     def _embed_media(self, request: Request) -> None:
         model = self.model
@@ -451,15 +483,16 @@ class Engine:
         if types is not None and model.config.text.use_bidirectional_attention == "vision":
             request.blocks = vision_block_ids(types.to(model.device))
 
-    def _decode(self, requests: list[Request]) -> torch.Tensor:
-        """One token for each decoding request, in one forward pass: float32 logits (n, V)."""
+    def _decode(self, requests: list[Request]) -> list[torch.Tensor | int]:
+        """One token for each decoding request, in one forward pass: what picks each one's token
+        (``_choices``)."""
         device = self.model.device
         slots = [r.slot for r in requests]
         last = [r.output[-1] for r in requests]
         if self._compiled is None:
             tokens = self.model.text_ids(torch.tensor(last, device=device)[:, None])
-            logits = self.model.language_model(tokens, cache=self.cache, slots=slots)
-            return logits[:, -1].float()
+            normed = self.model.language_model(tokens, cache=self.cache, slots=slots, head=False)
+            return self._choices(requests, normed[:, -1])
         # The compiled step runs every slot with static shapes; idle slots change nothing.
         size = self.cache.num_slots
         tokens = torch.zeros(size, 1, dtype=torch.long)
@@ -470,7 +503,7 @@ class Engine:
         tokens = self.model.text_ids(tokens.to(device))
         logits = self._compiled(self.cache, tokens, positions.to(device), active.to(device))
         self.cache.advance(slots)
-        return logits[slots]
+        return [logits[slot : slot + 1] for slot in slots]
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

@@ -664,13 +664,26 @@ class TextModel(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head (tied to the embeddings unless the checkpoint has its own), soft-cap."""
-        hidden = self.norm(hidden)
+        return self.logits(self.norm(hidden))
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-normed hidden states, soft-capped."""
         tied = self.config.tie_word_embeddings
-        logits = self.embed_tokens.as_linear(hidden) if tied else self.lm_head(hidden)
+        return self._softcap(self.embed_tokens.as_linear(normed) if tied else self.lm_head(normed))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def greedy(self, normed: torch.Tensor) -> torch.Tensor:
+        """(M, H) final-normed hidden states -> (M,) the greedy tokens: ``logits(normed).float()``'s
+        argmax, exactly. A quantized head finds it without computing every logit exactly
+        (``QuantizedWeight.argmax``); any other head computes the logits."""
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        argmax = getattr(head, "argmax", None)
+        if argmax is None:
+            return self.logits(normed).float().argmax(-1)
+        return argmax(normed, lambda values: self._softcap(values.to(normed.dtype)).float())
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
 

@@ -35,6 +35,13 @@ _LIBRARY.define(
     "qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
 )
 _LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor")
+# The greedy head's two helpers (CPU kernels only; see QuantizedWeight.argmax): scores of every row
+# with int8-rounded activations and a bound on their distance from qlinear's, and the rows' norms.
+_LIBRARY.define(
+    "qlinear_bounds(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, "
+    "Tensor row_norms) -> (Tensor, Tensor)"
+)
+_LIBRARY.define("row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor")
 
 
 def packed_width(features: int, bits: int) -> int:
@@ -191,8 +198,8 @@ def _build() -> None:
     flags = _cpu_flags()
     # The name carries the flag set: a cache shared by machines of different CPUs keeps both builds.
     # The version changes with the kernels' operator contract, so that a cached older build is not
-    # loaded in its place (v2: 5-bit groups, float16 scales).
-    name = "torchgemma_qlinear_v2" + ("_avx2" if flags else "_portable")
+    # loaded in its place (v2: 5-bit groups, float16 scales; v3: the greedy head's bounds).
+    name = "torchgemma_qlinear_v3" + ("_avx2" if flags else "_portable")
     load(
         name=name,
         sources=[str(_SOURCE)],

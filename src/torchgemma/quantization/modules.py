@@ -104,6 +104,64 @@ class QuantizedWeight(nn.Module):
             out = torch.ops.torchgemma.qlinear(x, self.qweight, self.scales, self.mins, f.bits, f.group_size)
         return out.to(x.dtype if x.is_floating_point() else self.compute_dtype)
 
+    def argmax(self, x: torch.Tensor, transform=None) -> torch.Tensor:
+        """x (M, K) -> (M,) int64: ``transform(self.matmul(x)).argmax(-1)``, the same tokens, read
+        at int8 speed where the C++ kernels can (greedy decoding through a quantized LM head).
+
+        Every row is scored with x rounded to int8 (``qlinear_bounds``), which brackets the value
+        ``matmul`` would give: ``approx - bound <= value <= approx + bound``. Rows whose upper end lies
+        below the best lower end cannot win; the rest (a few dozen of 262144 on a real head) are
+        computed exactly by ``matmul`` itself, row for row the same arithmetic as the full product,
+        and the first of the largest wins, as in ``argmax``. ``transform`` (what the caller applies
+        to the logits before choosing: a cast, a soft-cap) must be elementwise and non-decreasing.
+        """
+        transform = transform or (lambda t: t)
+        f = self.format
+        if not self._bounded(x):
+            return transform(self.matmul(x)).argmax(-1)
+        approx, bound = torch.ops.torchgemma.qlinear_bounds(
+            x, self.qweight, self.scales, self.mins, f.bits, f.group_size, self._norms()
+        )
+        lower, upper = transform(approx - bound), transform(approx + bound)
+        best = lower.amax(-1, keepdim=True)
+        tokens = []
+        for m, row in enumerate(upper >= best):
+            candidates = row.nonzero().squeeze(1)
+            mins = None if self.mins is None else self.mins[candidates]
+            values = torch.ops.torchgemma.qlinear(
+                x[m : m + 1], self.qweight[candidates], self.scales[candidates], mins, f.bits, f.group_size
+            ).to(x.dtype if x.is_floating_point() else self.compute_dtype)
+            # Padded to whole vectors: elementwise kernels take a tensor's tail by a scalar loop,
+            # which need not round as their vector loop does (tanh).
+            padded = torch.cat((values[0], values[0, -1:].expand(-values.shape[1] % 64)))
+            tokens.append(candidates[transform(padded)[: values.shape[1]].argmax()])
+        return torch.stack(tokens)
+
+    def _bounded(self, x: torch.Tensor) -> bool:
+        """Whether ``argmax`` can bracket this call: CPU kernels loaded, 8- or 4-bit groups of 32,
+        few rows (more take the dequantized BLAS product, whose rounding differs), finite input."""
+        f = self.format
+        return (
+            self.qweight.device.type == "cpu"
+            and f.bits in (8, 4)
+            and f.group_size % 32 == 0
+            and x.dim() == 2
+            and 0 < x.shape[0] < DENSE_ROWS
+            and not torch.compiler.is_compiling()
+            and kernels.ensure_kernels()
+            and bool(torch.isfinite(x).all())
+        )
+
+    def _norms(self) -> torch.Tensor:
+        """||(scales * q)[n]|| per row, for ``qlinear_bounds``: computed once per set of buffers."""
+        key = (self.qweight.data_ptr(), self.scales.data_ptr())
+        cached = self.__dict__.get("_row_norms")
+        if cached is None or cached[0] != key:
+            f = self.format
+            cached = (key, torch.ops.torchgemma.row_norms(self.qweight, self.scales, f.bits, f.group_size))
+            self.__dict__["_row_norms"] = cached
+        return cached[1]
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (N, K)."""
         f = self.format

@@ -31,7 +31,12 @@
 
 #include <c10/util/Half.h>
 
+#include <array>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <vector>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -433,9 +438,189 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, c
   return out;
 }
 
+// ── Bounds for a greedy head ─────────────────────────────────────────────────────────────────
+//
+// Greedy decoding needs only the largest logit. qlinear_bounds scores every row with the activations
+// rounded to int8 (per block of 32 values: x ~ d * xq, |xq| <= 127), which integer dot products read
+// at the bytes' speed, and returns with each approximate score a bound on its distance from what
+// qlinear computes:
+//
+//     |qlinear(x)[n] - approx[n]| <= bound[n]
+//
+// The rounding of x moves row n's product by sum_k (s q)[n, k] * e[k] (e = x - d * xq), at most
+// ||(s q)[n]|| * ||e|| (Cauchy-Schwarz); float32 rounding moves each computation by at most
+// gamma * ||(s q)[n]|| * ||x|| (gamma = (K + 64) * 2^-24, a sum of K products, both orders); the offsets'
+// share (mins) is the same float32 computation in both. `row_norms` are ||(s q)[n]||, rounded up.
+// A row whose upper end (approx + bound) is below the largest lower end (approx - bound) cannot hold
+// the maximum; the rows that can are few, and the caller computes them exactly (qlinear on those rows).
+
+constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24, float32's unit roundoff
+
+// x (K) -> xq (K, int8), d (K / 32): x[k] ~ d[k / 32] * xq[k]. Returns ||x - d xq||, ||x||, ||d xq||.
+std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
+  double err = 0, norm = 0, approx = 0;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float amax = 0.f;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float scale = amax / 127.f;
+    d[b] = scale;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) {
+      const long v = scale > 0.f ? std::lrint(x[k] / scale) : 0;
+      xq[k] = static_cast<int8_t>(std::max(-127L, std::min(127L, v)));
+      const double back = static_cast<double>(scale) * xq[k];
+      err += (x[k] - back) * (x[k] - back);
+      norm += static_cast<double>(x[k]) * x[k];
+      approx += back * back;
+    }
+  }
+  return {std::sqrt(err), std::sqrt(norm), std::sqrt(approx)};
+}
+
+// One weight row against xq: sum_b (s d)_b * dot(q_b, xq_b), 32 values per block b.
+template <int BITS, typename S>
+inline float approx_row(const uint8_t* q, const S* scales, int64_t K, int64_t G, const int8_t* xq, const float* d) {
+  const int64_t blocks = K / 32;
+#ifdef TG_AVX2
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+  auto block = [&](int64_t b, float sd, __m256 acc) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    __m256i pairs;
+    if constexpr (BITS == 8) {
+      // maddubs multiplies unsigned by signed bytes: |xq| times q with xq's sign (no saturation:
+      // 2 * 127 * 127 < 2^15).
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(w, xv));
+    } else {  // bits 4: unsigned 0..15, values 0-15 in the low nibbles, 16-31 in the high ones
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m128i low = _mm_set1_epi8(0x0F);
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+      pairs = _mm256_maddubs_epi16(w, xv);
+    }
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+    return _mm256_fmadd_ps(_mm256_set1_ps(sd), dot, acc);
+  };
+  if (G == 32) {  // one scale per block
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {  // two chains: the FMA latency overlaps
+      t0 = block(b, to_float(scales[b]) * d[b], t0);
+      t1 = block(b + 1, to_float(scales[b + 1]) * d[b + 1], t1);
+    }
+    if (b < blocks) t0 = block(b, to_float(scales[b]) * d[b], t0);
+  } else {
+    const int64_t per = G / 32;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float s = to_float(scales[g]);
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+        if (b & 1) t1 = block(b, s * d[b], t1);
+        else t0 = block(b, s * d[b], t0);
+      }
+    }
+  }
+  return hsum(_mm256_add_ps(t0, t1));
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t dot = 0;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) dot += q_at<BITS>(q, k) * xq[k];
+    total += to_float(scales[b * 32 / G]) * d[b] * static_cast<float>(dot);
+  }
+  return total;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
+                                                      const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                                      int64_t bits, int64_t group, const at::Tensor& row_norms) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, mins, bits, group, K);
+  TORCH_CHECK(bits == 8 || bits == 4, "qlinear_bounds: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0, "qlinear_bounds: needs groups of a multiple of 32 values");
+  TORCH_CHECK(x_in.size(-1) == K, "qlinear_bounds: input has ", x_in.size(-1), " features, the weight takes ", K);
+  const int64_t N = qweight.size(0), groups = K / group;
+  TORCH_CHECK(row_norms.scalar_type() == at::kFloat && row_norms.dim() == 1 && row_norms.size(0) == N &&
+                  row_norms.is_contiguous(),
+              "qlinear_bounds: row_norms must be float32 (", N, ")");
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  TORCH_CHECK(x.isfinite().all().item<bool>(), "qlinear_bounds: the input is not finite");
+  const int64_t M = x.size(0);
+  at::Tensor approx = at::empty({M, N}, x.options()), bound = at::empty({M, N}, x.options());
+  at::Tensor xsum;
+  if (mins) xsum = x.view({M, groups, group}).sum(-1).contiguous();
+  std::vector<int8_t> xq(K);
+  std::vector<float> d(K / 32);
+  const double gamma = (K + 64) * kUnit / (1.0 - (K + 64) * kUnit);
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    const float* rn = row_norms.data_ptr<float>();
+    const int64_t row_bytes = qweight.size(1);
+    for (int64_t m = 0; m < M; ++m) {
+      const auto [err, norm, norm_approx] = quantize_activations(x.data_ptr<float>() + m * K, K, xq.data(), d.data());
+      // Per unit of row norm: the rounding of x, then both computations' float32 rounding (1 + 2^-20:
+      // this sum's own rounding, in double).
+      const float beta = static_cast<float>((err + 2 * gamma * (norm + norm_approx)) * (1.0 + 1.0 / 1048576));
+      const float* xs = mins ? xsum.data_ptr<float>() + m * groups : nullptr;
+      float* ap = approx.data_ptr<float>() + m * N;
+      float* bp = bound.data_ptr<float>() + m * N;
+      const int64_t grain = std::max<int64_t>(1, 16384 / K);
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          float a = approx_row<BITS>(qp + n * row_bytes, sp + n * groups, K, group, xq.data(), d.data());
+          if (mp) a += min_dot(mp + n * groups, xs, groups);
+          const float b = rn[n] * beta;
+          // 2^-21 of |a| + b: the final additions of both computations, and the caller's a +- b in
+          // float32 (each at most 2^-24 relative).
+          ap[n] = a;
+          bp[n] = b + (std::fabs(a) + b) * (1.0f / 2097152);
+        }
+      });
+    }
+  });
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return {approx.view(shape), bound.view(shape)};
+}
+
+// ||(s q)[n]|| per row (float32, rounded up): what qlinear_bounds' rows are measured by.
+at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, std::nullopt, bits, group, K);
+  const int64_t N = qweight.size(0), groups = K / group, row_bytes = qweight.size(1);
+  at::Tensor out = at::empty({N}, scales.options().dtype(at::kFloat));
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        double total = 0;
+        for (int64_t g = 0; g < groups; ++g) {
+          int64_t squares = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+            const int64_t v = q_at<BITS>(qp + n * row_bytes, k);
+            squares += v * v;
+          }
+          const double s = to_float(sp[n * groups + g]);
+          total += s * s * static_cast<double>(squares);
+        }
+        op[n] = static_cast<float>(std::sqrt(total) * (1.0 + 1.0 / 1048576));
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
   m.impl("qlinear", &qlinear_cpu);
   m.impl("dequantize", &dequantize_cpu);
+  m.impl("qlinear_bounds", &qlinear_bounds_cpu);
+  m.impl("row_norms", &row_norms_cpu);
 }
