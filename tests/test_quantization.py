@@ -417,3 +417,155 @@ def test_info_weight_bytes_are_what_quantize_stores(text_checkpoints, style, mod
     assert not model.quantization["kept"]
     stored = sum(t.nbytes for t in model.state_dict().values())
     assert describe(model.config)["weights_bytes"][mode] == stored
+
+
+# ── the greedy head: int8-rounded scores with bounds, then the few possible winners exactly ────
+
+
+def _activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Hidden-state-like rows: mostly small values, a few large ones (Gemma's residual stream has
+    outliers hundreds of times the typical size, the hard case for per-block rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, torch.randint(0, k, (3,), generator=gen)] *= 300
+    return x
+
+
+def _rounding_error(x: torch.Tensor) -> torch.Tensor:
+    """x - d * xq for the kernel's rounding: per 32 values, d = max|x| / 127, xq = round(x / d)."""
+    blocks = x.view(-1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (blocks - d * torch.round(blocks / d).clamp(-127, 127)).view_as(x)
+
+
+BOUNDED = [
+    (8, 32, False, torch.float16),
+    (8, 32, False, torch.float32),
+    (8, 192, False, torch.float32),
+    (8, 64, True, torch.float32),
+    (4, 32, True, torch.float32),
+    (4, 32, True, torch.float16),
+    (4, 96, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("bits", "group", "mins", "scale_dtype"), BOUNDED)
+def test_greedy_head_bounds_hold_and_are_reached(bits, group, mins, scale_dtype):
+    """|qlinear(x) - approx| <= bound for every row, -128 weights included; 8-bit rows that point
+    along the activations' rounding error use over 90% of the bound, so a bound too small by a
+    tenth (a wrong derivation) fails."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k = 300, 192
+    q = random_ints(n, k, bits, seed=3)
+    x = _activations(2, k, seed=bits + group)
+    # The last rows follow each activation row's rounding error (its sign pattern, at full scale).
+    err = _rounding_error(x)
+    if bits == 8:
+        q[-2:] = torch.round(err / err.abs().amax(-1, keepdim=True) * 127).to(torch.int8)
+    else:
+        q[-2:] = torch.round((err / err.abs().amax(-1, keepdim=True) + 1) * 7.5).to(torch.uint8)
+    gen = torch.Generator().manual_seed(7)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+    scales[-2:] = 0.01  # one scale: the aligned rows' weights stay parallel to the error
+    offsets = (torch.randn(n, k // group, generator=gen) * 0.05).to(scale_dtype) if mins else None
+    packed = kernels.pack(q, bits)
+    norms = torch.ops.torchgemma.row_norms(packed, scales, bits, group)
+    expected = kernels.unpack(packed, bits).double().view(n, -1, group) * scales.double()[..., None]
+    assert torch.all(norms.double() >= expected.view(n, k).norm(dim=-1))
+    assert torch.allclose(norms.double(), expected.view(n, k).norm(dim=-1), rtol=1e-5)
+    approx, bound = torch.ops.torchgemma.qlinear_bounds(x, packed, scales, offsets, bits, group, norms)
+    exact = torch.ops.torchgemma.qlinear(x, packed, scales, offsets, bits, group)
+    distance = (exact - approx).abs()
+    assert torch.all(distance <= bound)
+    if bits == 8:  # (4-bit rows are unsigned: their norm counts the offset too, the bound is looser)
+        for m, row in enumerate((n - 2, n - 1)):
+            assert distance[m, row] >= 0.9 * bound[m, row], (distance[m, row], bound[m, row])
+    assert distance.max() > 0  # the scores are approximations, not the exact values
+
+
+def _head(bits: int, n: int = 4000, k: int = 256, seed: int = 0) -> QuantizedLinear:
+    fmt = Format(bits=bits, group_size=32, has_mins=bits == 4, scale_dtype="float16")
+    layer = QuantizedLinear(k, n, fmt)
+    gen = torch.Generator().manual_seed(seed)
+    layer.set_weight(torch.randn(n, k, generator=gen) * 0.05)
+    return layer
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_head_argmax_equals_the_full_heads(bits, rows):
+    """The token equals argmax of the full product, through a bf16 cast and a soft-cap too, and
+    where several rows tie exactly the first wins, as in torch.argmax."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    layer = _head(bits)
+    for seed in range(6):
+        x = _activations(rows, 256, seed=seed)
+        assert layer._bounded(x)  # the bounded path runs, not the fallback
+        full = layer.matmul(x)
+        assert torch.equal(layer.argmax(x), full.argmax(-1))
+
+        def capped(v):
+            return (torch.tanh(v.to(torch.bfloat16) / 30.0) * 30.0).float()
+
+        assert torch.equal(layer.argmax(x, capped), capped(full).argmax(-1))
+    # Exact ties: rows 10, 20 and 30 made copies of the winner for x (their norms are recomputed:
+    # the buffers changed in place).
+    x = _activations(1, 256, seed=11)
+    winner = int(layer.matmul(x).argmax(-1))
+    for name in ("qweight", "scales", "mins"):
+        buffer = getattr(layer, name)
+        if buffer is not None:
+            buffer[[10, 20, 30]] = buffer[winner].clone()
+    assert layer.matmul(x)[0, [10, 20, 30, winner]].unique().numel() == 1
+    assert layer.argmax(x).tolist() == [10] == layer.matmul(x).argmax(-1).tolist()
+
+
+def test_greedy_head_falls_back_where_it_cannot_bound():
+    """Non-finite input, 16 rows or more (the BLAS path) and 5-bit weights take the full product."""
+    layer = _head(8)
+    x = _activations(1, 256, seed=1)
+    x[0, 5] = float("nan")
+    assert not layer._bounded(x)
+    assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+    many = _activations(16, 256, seed=2)
+    assert not layer._bounded(many)
+    assert torch.equal(layer.argmax(many), layer.matmul(many).argmax(-1))
+
+
+@pytest.mark.parametrize(("style", "mode"), [("e2b", "int8"), ("31b", "int4"), ("26b", "int8")])
+def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, mode, monkeypatch):
+    """Greedy requests through a quantized (soft-capped, Gemma 4) head: the same tokens with the
+    greedy head as with full logits, and the bounded path is what ran."""
+    from torchgemma.generation.engine import Engine
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    model = torchgemma.load(gen_checkpoints[style], quantize=mode)
+    assert model.config.text.final_logit_softcapping is not None
+    calls = []
+    bounds = torch.ops.torchgemma.qlinear_bounds
+
+    def counting(*args):
+        calls.append(1)
+        return bounds(*args)
+
+    monkeypatch.setattr(torch.ops.torchgemma, "qlinear_bounds", counting)
+    prompts = {"a": [5, 17, 42, 9], "b": [100, 3, 77], "c": [8, 8, 250, 31, 2, 64]}
+    runs = {}
+    for greedy_head in (True, False):
+        engine = Engine(model, max_batch_size=3, max_len=40, greedy_head=greedy_head)
+        for name, ids in prompts.items():
+            engine.add_request(name, ids, max_new_tokens=12, temperature=0.0, stop_token_ids=[])
+        out = {name: [] for name in prompts}
+        while engine.has_unfinished_requests():
+            for request, token, _ in engine.step():
+                out[request].append(token)
+        runs[greedy_head] = out
+        if greedy_head:
+            assert calls  # the bounded scores were used
+            calls.clear()
+        else:
+            assert not calls
+    assert runs[True] == runs[False]

@@ -153,8 +153,9 @@ class QuantizedWeight(nn.Module):
         )
 
     def _norms(self) -> torch.Tensor:
-        """||(scales * q)[n]|| per row, for ``qlinear_bounds``: computed once per set of buffers."""
-        key = (self.qweight.data_ptr(), self.scales.data_ptr())
+        """||(scales * q)[n]|| per row, for ``qlinear_bounds``: computed once per set of buffers
+        (new buffers, or the same ones changed in place, e.g. by ``load_state_dict``, are new)."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.scales))
         cached = self.__dict__.get("_row_norms")
         if cached is None or cached[0] != key:
             f = self.format

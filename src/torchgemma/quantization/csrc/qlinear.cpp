@@ -487,10 +487,10 @@ inline float approx_row(const uint8_t* q, const S* scales, int64_t K, int64_t G,
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
     __m256i pairs;
     if constexpr (BITS == 8) {
-      // maddubs multiplies unsigned by signed bytes: |xq| times q with xq's sign (no saturation:
-      // 2 * 127 * 127 < 2^15).
+      // maddubs multiplies unsigned by signed bytes: |q| (0..128, -128 included) times xq with q's
+      // sign (|xq| <= 127, so the sign never overflows; pairs stay below 2 * 128 * 127 < 2^15).
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
-      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(w, xv));
+      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
     } else {  // bits 4: unsigned 0..15, values 0-15 in the low nibbles, 16-31 in the high ones
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
       const __m128i low = _mm_set1_epi8(0x0F);
