@@ -523,12 +523,18 @@ def test_greedy_head_argmax_equals_the_full_heads(bits, rows):
 
 
 def test_greedy_head_falls_back_where_it_cannot_bound():
-    """Non-finite input, 16 rows or more (the BLAS path) and 5-bit weights take the full product."""
+    """A non-finite input leaves every row in doubt (the full product decides, NaN as argmax takes
+    it); 16 rows or more take the BLAS path's product."""
     layer = _head(8)
-    x = _activations(1, 256, seed=1)
+    x = _activations(2, 256, seed=1)
     x[0, 5] = float("nan")
-    assert not layer._bounded(x)
+    x[1, 7] = float("inf")
+    approx, bound = torch.ops.torchgemma.qlinear_bounds(
+        x, layer.qweight, layer.scales, None, 8, 32, layer._norms()
+    )
+    assert torch.isinf(bound).all()
     assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+    assert torch.equal(layer.argmax(x, torch.tanh), torch.tanh(layer.matmul(x)).argmax(-1))
     many = _activations(16, 256, seed=2)
     assert not layer._bounded(many)
     assert torch.equal(layer.argmax(many), layer.matmul(many).argmax(-1))

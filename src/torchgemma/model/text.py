@@ -683,6 +683,8 @@ class TextModel(nn.Module):
         argmax = getattr(head, "argmax", None)
         if argmax is None:
             return self.logits(normed).float().argmax(-1)
+        if normed.dtype == torch.float32 and self.config.final_logit_softcapping is None:
+            return argmax(normed)  # the logits are the product itself
         return argmax(normed, lambda values: self._softcap(values.to(normed.dtype)).float())
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────

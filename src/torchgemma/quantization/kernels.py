@@ -42,6 +42,7 @@ _LIBRARY.define(
     "Tensor row_norms) -> (Tensor, Tensor)"
 )
 _LIBRARY.define("row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor")
+_LIBRARY.define("bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Tensor)")
 
 
 def packed_width(features: int, bits: int) -> int:

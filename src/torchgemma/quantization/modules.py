@@ -113,33 +113,47 @@ class QuantizedWeight(nn.Module):
         below the best lower end cannot win; the rest (a few dozen of 262144 on a real head) are
         computed exactly by ``matmul`` itself, row for row the same arithmetic as the full product,
         and the first of the largest wins, as in ``argmax``. ``transform`` (what the caller applies
-        to the logits before choosing: a cast, a soft-cap) must be elementwise and non-decreasing.
+        to the logits before choosing: a cast, a soft-cap; None: nothing) must be elementwise and
+        non-decreasing.
         """
-        transform = transform or (lambda t: t)
         f = self.format
         if not self._bounded(x):
-            return transform(self.matmul(x)).argmax(-1)
+            values = self.matmul(x)
+            return (values if transform is None else transform(values)).argmax(-1)
         approx, bound = torch.ops.torchgemma.qlinear_bounds(
             x, self.qweight, self.scales, self.mins, f.bits, f.group_size, self._norms()
         )
-        lower, upper = transform(approx - bound), transform(approx + bound)
-        best = lower.amax(-1, keepdim=True)
+        if transform is None:
+            candidates, counts = torch.ops.torchgemma.bounded_candidates(approx, bound)
+            per_row = candidates.split(counts.tolist())
+        else:
+            lower, upper = transform(approx - bound), transform(approx + bound)
+            best = lower.amax(-1, keepdim=True)
+            per_row = [row.nonzero().squeeze(1) for row in upper >= best]
         tokens = []
-        for m, row in enumerate(upper >= best):
-            candidates = row.nonzero().squeeze(1)
+        for m, candidates in enumerate(per_row):
+            if candidates.numel() > self.qweight.shape[0] // 16:
+                # Activations too far from their int8 rounding (one huge outlier in a block) leave
+                # too many rows in doubt: the full product is faster than gathering them.
+                values = self.matmul(x[m : m + 1])[0]
+                tokens.append((values if transform is None else transform(values)).argmax())
+                continue
             mins = None if self.mins is None else self.mins[candidates]
             values = torch.ops.torchgemma.qlinear(
                 x[m : m + 1], self.qweight[candidates], self.scales[candidates], mins, f.bits, f.group_size
-            ).to(x.dtype if x.is_floating_point() else self.compute_dtype)
-            # Padded to whole vectors: elementwise kernels take a tensor's tail by a scalar loop,
-            # which need not round as their vector loop does (tanh).
-            padded = torch.cat((values[0], values[0, -1:].expand(-values.shape[1] % 64)))
-            tokens.append(candidates[transform(padded)[: values.shape[1]].argmax()])
+            ).to(x.dtype if x.is_floating_point() else self.compute_dtype)[0]
+            if transform is not None:
+                # Padded to whole vectors: elementwise kernels take a tensor's tail by a scalar
+                # loop, which need not round as their vector loop does (tanh).
+                padded = torch.cat((values, values[-1:].expand(-values.numel() % 64)))
+                values = transform(padded)[: candidates.numel()]
+            tokens.append(candidates[values.argmax()])
         return torch.stack(tokens)
 
     def _bounded(self, x: torch.Tensor) -> bool:
         """Whether ``argmax`` can bracket this call: CPU kernels loaded, 8- or 4-bit groups of 32,
-        few rows (more take the dequantized BLAS product, whose rounding differs), finite input."""
+        few rows (more take the dequantized BLAS product, whose rounding differs). (A row with a
+        non-finite value leaves every weight row in doubt: ``argmax`` then computes them all.)"""
         f = self.format
         return (
             self.qweight.device.type == "cpu"
@@ -149,7 +163,6 @@ class QuantizedWeight(nn.Module):
             and 0 < x.shape[0] < DENSE_ROWS
             and not torch.compiler.is_compiling()
             and kernels.ensure_kernels()
-            and bool(torch.isfinite(x).all())
         )
 
     def _norms(self) -> torch.Tensor:

@@ -32,6 +32,7 @@
 #include <c10/util/Half.h>
 
 #include <array>
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -239,6 +240,20 @@ inline float min_dot(const S* mins, const float* xsum, int64_t groups) {
   return y;
 }
 
+// x (M, K) float32 -> the sum of each group of G values of each row (M, K / G), accumulated in
+// double and rounded once: what the offsets multiply (qlinear and qlinear_bounds use the same sums).
+std::vector<float> group_sums(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* p = x.data_ptr<float>();
+  std::vector<float> out(M * (K / G));
+  for (int64_t i = 0; i < M * (K / G); ++i) {
+    double total = 0;
+    for (int64_t k = 0; k < G; ++k) total += p[i * G + k];
+    out[i] = static_cast<float>(total);
+  }
+  return out;
+}
+
 // MB activation rows against R weight rows (out: MB x R), by the best path the build has.
 template <int BITS, typename S>
 inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64_t groups, int64_t K, int64_t G,
@@ -338,8 +353,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   at::Tensor out = at::empty({M, N}, x.options());
 
   // Offsets enter as min_g * sum(x over group g): those sums are computed once per call.
-  at::Tensor xsum;
-  if (mins) xsum = x.view({M, groups, group}).sum(-1).contiguous();  // (M, groups)
+  const std::vector<float> xsum = mins ? group_sums(x, group) : std::vector<float>();  // (M, groups)
 
   dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
   constexpr int BITS = decltype(bits_tag)::value;
@@ -347,7 +361,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const float* xp = x.data_ptr<float>();
   const S* sp = static_cast<const S*>(scales.data_ptr());
   const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
-  const float* xs = mins ? xsum.data_ptr<float>() : nullptr;
+  const float* xs = mins ? xsum.data() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = qweight.size(1);
   const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
@@ -542,11 +556,9 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
                   row_norms.is_contiguous(),
               "qlinear_bounds: row_norms must be float32 (", N, ")");
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  TORCH_CHECK(x.isfinite().all().item<bool>(), "qlinear_bounds: the input is not finite");
   const int64_t M = x.size(0);
   at::Tensor approx = at::empty({M, N}, x.options()), bound = at::empty({M, N}, x.options());
-  at::Tensor xsum;
-  if (mins) xsum = x.view({M, groups, group}).sum(-1).contiguous();
+  const std::vector<float> xsum = mins ? group_sums(x, group) : std::vector<float>();
   std::vector<int8_t> xq(K);
   std::vector<float> d(K / 32);
   const double gamma = (K + 64) * kUnit / (1.0 - (K + 64) * kUnit);
@@ -559,13 +571,20 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
     const float* rn = row_norms.data_ptr<float>();
     const int64_t row_bytes = qweight.size(1);
     for (int64_t m = 0; m < M; ++m) {
-      const auto [err, norm, norm_approx] = quantize_activations(x.data_ptr<float>() + m * K, K, xq.data(), d.data());
+      float* ap = approx.data_ptr<float>() + m * N;
+      float* bp = bound.data_ptr<float>() + m * N;
+      const float* xm = x.data_ptr<float>() + m * K;
+      if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+        // Nothing to bound with: every row stays in doubt (the caller computes them all).
+        std::fill(ap, ap + N, 0.f);
+        std::fill(bp, bp + N, std::numeric_limits<float>::infinity());
+        continue;
+      }
+      const auto [err, norm, norm_approx] = quantize_activations(xm, K, xq.data(), d.data());
       // Per unit of row norm: the rounding of x, then both computations' float32 rounding (1 + 2^-20:
       // this sum's own rounding, in double).
       const float beta = static_cast<float>((err + 2 * gamma * (norm + norm_approx)) * (1.0 + 1.0 / 1048576));
-      const float* xs = mins ? xsum.data_ptr<float>() + m * groups : nullptr;
-      float* ap = approx.data_ptr<float>() + m * N;
-      float* bp = bound.data_ptr<float>() + m * N;
+      const float* xs = mins ? xsum.data() + m * groups : nullptr;
       const int64_t grain = std::max<int64_t>(1, 16384 / K);
       at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) {
@@ -583,6 +602,49 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
   auto shape = x_in.sizes().vec();
   shape.back() = N;
   return {approx.view(shape), bound.view(shape)};
+}
+
+// The rows that may hold each row's maximum: n with approx + bound >= max over n' of approx - bound
+// (float32 sums, as the caller would form them; the bound's slack covers their rounding). Returns the
+// indices, row after row, ascending, and how many each row has.
+std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound) {
+  TORCH_CHECK(approx.scalar_type() == at::kFloat && bound.scalar_type() == at::kFloat && approx.dim() == 2 &&
+                  approx.sizes() == bound.sizes() && approx.is_contiguous() && bound.is_contiguous(),
+              "bounded_candidates: approx and bound must be contiguous float32 (M, N) tensors of one shape");
+  const int64_t M = approx.size(0), N = approx.size(1);
+  std::vector<int64_t> picked;
+  at::Tensor counts = at::empty({M}, approx.options().dtype(at::kLong));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = approx.data_ptr<float>() + m * N;
+    const float* b = bound.data_ptr<float>() + m * N;
+    float best = -std::numeric_limits<float>::infinity();
+    const size_t before = picked.size();
+    int64_t n = 0;
+#ifdef TG_AVX2
+    __m256 top = _mm256_set1_ps(best);
+    for (; n + 8 <= N; n += 8)
+      top = _mm256_max_ps(top, _mm256_sub_ps(_mm256_loadu_ps(a + n), _mm256_loadu_ps(b + n)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (float v : lanes) best = std::max(best, v);
+#endif
+    for (int64_t r = n; r < N; ++r) best = std::max(best, a[r] - b[r]);
+    n = 0;
+#ifdef TG_AVX2
+    const __m256 floor = _mm256_set1_ps(best);
+    for (; n + 8 <= N; n += 8) {
+      const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(a + n), _mm256_loadu_ps(b + n));
+      unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(upper, floor, _CMP_GE_OQ));
+      for (; mask; mask &= mask - 1) picked.push_back(n + __builtin_ctz(mask));
+    }
+#endif
+    for (; n < N; ++n)
+      if (a[n] + b[n] >= best) picked.push_back(n);
+    counts.data_ptr<int64_t>()[m] = static_cast<int64_t>(picked.size() - before);
+  }
+  at::Tensor indices = at::empty({static_cast<int64_t>(picked.size())}, counts.options());
+  std::copy(picked.begin(), picked.end(), indices.data_ptr<int64_t>());
+  return {indices, counts};
 }
 
 // ||(s q)[n]|| per row (float32, rounded up): what qlinear_bounds' rows are measured by.
@@ -623,4 +685,5 @@ TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("qlinear_bounds", &qlinear_bounds_cpu);
   m.impl("row_norms", &row_norms_cpu);
+  m.impl("bounded_candidates", &bounded_candidates_cpu);
 }
