@@ -334,6 +334,24 @@ def test_a_token_that_is_not_utf8_is_named(tmp_path):
         read_gguf_metadata(path)
 
 
+def test_a_vocabulary_is_decoded_when_read_and_a_bad_token_named_then(tmp_path):
+    """A long string array (a 262k vocabulary) is walked when the header is read and decoded only
+    when something reads it (loading the weights never does): a bad token is named at that read."""
+    count = 5000
+    items = b"".join(gguf_string(f"t{i}") for i in range(count - 1)) + gguf_string(b"\xff\xfe")
+    tokens = claimed_array("tokenizer.ggml.tokens", V.STRING, count) + items
+    path = tmp_path / "long.gguf"
+    path.write_bytes(gguf_bytes([string("general.architecture", "gemma3"), tokens]))
+    metadata = read_gguf_metadata(path)
+    vocabulary = metadata["tokenizer.ggml.tokens"]
+    assert len(vocabulary) == count
+    with pytest.raises(
+        GGUFError,
+        match=rf"long\.gguf: metadata key tokenizer\.ggml\.tokens, string {count - 1}, is not UTF-8",
+    ):
+        vocabulary[0]
+
+
 def test_claimed_key_and_tensor_counts_beyond_the_file_fail_at_once(tmp_path):
     path = tmp_path / "counts.gguf"
     path.write_bytes(gguf_bytes([string("general.architecture", "gemma3")], counts=(10**12, 10**12)))

@@ -575,3 +575,44 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
         else:
             assert not calls
     assert runs[True] == runs[False]
+
+
+# ── fused norms ────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(("plus_one", "with_scale"), [(True, True), (False, True), (False, False)])
+def test_fused_rms_norm_is_the_reference_to_rounding(plus_one, with_scale):
+    """One C++ call = RMSNorm's dozen operators to a float32 rounding (not to the bit: the mean is
+    summed in another order), for every variant: Gemma 3's 1 + w, Gemma 4's w, no scale."""
+    from torchgemma.model.layers import RMSNorm
+    from torchgemma.quantization.modules import FusedRMSNorm
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    gen = torch.Generator().manual_seed(0)
+    reference = RMSNorm(640, 1e-6, with_scale=with_scale, plus_one=plus_one)
+    if with_scale:
+        reference.weight.data = torch.randn(640, generator=gen) * 0.3
+    fused = RMSNorm(640, 1e-6, with_scale=with_scale, plus_one=plus_one)
+    fused.load_state_dict(reference.state_dict())
+    fused.__class__ = FusedRMSNorm
+    x = _activations(12, 640, seed=4).view(2, 3, 2, 640).transpose(1, 2)  # not contiguous
+    ours, theirs = fused(x), reference(x)
+    assert ours.shape == theirs.shape and ours.dtype == torch.float32
+    assert ((ours - theirs).abs() <= 4e-7 * theirs.abs().amax(-1, keepdim=True)).all()
+    assert torch.equal(fused(x.bfloat16()), reference(x.bfloat16()))  # other dtypes: the reference
+
+
+def test_quantized_models_fuse_their_decoder_norms(text_checkpoints):
+    """quantize() and a quantized load both fuse the text decoder's norms; a float model does not."""
+    from torchgemma.model.layers import RMSNorm
+    from torchgemma.quantization.modules import FusedRMSNorm
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    folder = text_checkpoints["e2b"]
+    plain = torchgemma.load(folder)
+    for model in (quantize(torchgemma.load(folder), "int8"), torchgemma.load(folder, quantize="int4")):
+        norms = [type(m) for m in model.language_model.modules() if isinstance(m, RMSNorm)]
+        assert norms and set(norms) == {FusedRMSNorm}
+    assert FusedRMSNorm not in {type(m) for m in plain.modules()}

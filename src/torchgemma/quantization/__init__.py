@@ -31,6 +31,7 @@ from ..model.text import Experts
 from .kernels import ensure_kernels, kernel_status
 from .modules import (
     Format,
+    FusedRMSNorm,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedStack,
@@ -138,6 +139,20 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
     model.quantization = record(mode, chosen, kept)
     if chosen and model_device(model).type == "cpu":
         ensure_kernels()
+        fuse_norms(model)
+    return model
+
+
+def fuse_norms(model: nn.Module) -> nn.Module:
+    """Make the text decoder's RMSNorms single C++ calls (``FusedRMSNorm``), in place: on a CPU the
+    decode step of a quantized model otherwise spends a tenth of its time in their small operators.
+    The result is the reference norm's to a float32 rounding; full-precision models and the towers
+    keep the reference's bits."""
+    from ..model.layers import RMSNorm
+
+    for module in getattr(model, "language_model", model).modules():
+        if type(module) is RMSNorm:
+            module.__class__ = FusedRMSNorm
     return model
 
 

@@ -19,8 +19,10 @@ pure-PyTorch kernel is used and ``kernel_status()`` says why.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -43,6 +45,8 @@ _LIBRARY.define(
 )
 _LIBRARY.define("row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor")
 _LIBRARY.define("bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Tensor)")
+# RMSNorm in one call (float32, CPU): what a quantized model's norms run (FusedRMSNorm).
+_LIBRARY.define("rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor")
 
 
 def packed_width(features: int, bits: int) -> int:
@@ -124,6 +128,11 @@ def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.register_fake("torchgemma::rms_norm")
+def _rms_norm_fake(x, weight, eps, plus_one):
+    return torch.empty_like(x)
+
+
 @torch.library.register_fake("torchgemma::dequantize")
 def _dequantize_fake(qweight, scales, mins, bits, group_size):
     k = _check(qweight, scales, mins, bits, group_size)
@@ -165,7 +174,15 @@ def ensure_kernels() -> bool:
     with _lock:
         if _status is not None:
             return _built
-        if _compiler() is None:
+        flags = " ".join(_cpu_flags()) or "portable loops"
+        library = _library_path()
+        if library.exists() and not (library.parent / "lock").exists():
+            # Built before for this source, flag set, torch and Python: loaded without importing
+            # torch.utils.cpp_extension (and setuptools: ~40 MB and half a second).
+            torch.ops.load_library(str(library))
+            _built = True
+            _status = f"C++ CPU kernels loaded ({flags})"
+        elif _compiler() is None:
             _status = (
                 "no C++ compiler found (looked for $CXX, c++, g++, clang++): quantized layers run on the "
                 "pure-PyTorch kernel, which dequantizes every weight on every call; install one (e.g. "
@@ -178,9 +195,8 @@ def ensure_kernels() -> bool:
             )
         else:
             try:
-                _build()
+                _build(library)
                 _built = True
-                flags = " ".join(_cpu_flags()) or "portable loops"
                 _status = f"C++ CPU kernels loaded ({flags})"
             except Exception as err:  # a failed build leaves the reference kernel working
                 first = str(err).strip().splitlines()
@@ -193,20 +209,35 @@ def ensure_kernels() -> bool:
         return _built
 
 
-def _build() -> None:
+def _library_path() -> Path:
+    """Where the built library lives: ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions``)
+    / a name that carries a digest of the source, the compiler flags, torch's and Python's versions.
+    A cache shared by machines of different CPUs keeps one build per flag set, and an edited source
+    or another torch never loads a stale build."""
+    flags = _cpu_flags()
+    digest = hashlib.sha256(
+        b"\0".join(
+            [_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()]
+        )
+    ).hexdigest()[:12]
+    name = f"torchgemma_qlinear_{'avx2' if flags else 'portable'}_{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_extensions"
+    )
+    return Path(root) / name / f"{name}.so"
+
+
+def _build(library: Path) -> None:
     from torch.utils.cpp_extension import load
 
-    flags = _cpu_flags()
-    # The name carries the flag set: a cache shared by machines of different CPUs keeps both builds.
-    # The version changes with the kernels' operator contract, so that a cached older build is not
-    # loaded in its place (v2: 5-bit groups, float16 scales; v3: the greedy head's bounds).
-    name = "torchgemma_qlinear_v3" + ("_avx2" if flags else "_portable")
+    library.parent.mkdir(parents=True, exist_ok=True)
     load(
-        name=name,
+        name=library.stem,
         sources=[str(_SOURCE)],
         # -ffp-contract=off: dequantize computes scale * q, then + min, as GGML does, never fused.
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()],
         extra_ldflags=["-fopenmp"],
+        build_directory=str(library.parent),
         is_python_module=False,
         verbose=False,
     )

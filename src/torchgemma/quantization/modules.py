@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..model.layers import RMSNorm
 from . import kernels
 
 # Calls with at least this many rows dequantize the weight once and use the float32 matrix product:
@@ -299,6 +300,19 @@ class QuantizedStack(QuantizedWeight):
     def set_quantized(self, qweight, scales, mins) -> None:
         flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (qweight, scales, mins)]
         super().set_quantized(*flat)
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm as one C++ call (``torchgemma::rms_norm``) on float32 CPU inputs: the reference's
+    result to a float32 rounding rather than its bits, for a dozen fewer small operators per norm
+    (109 norms per token on Gemma 3 270M: ~3 ms of a 28 ms decode step). Quantized models use it;
+    anything else (other dtypes, devices, no C++ kernels) takes RMSNorm's own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not kernels.ensure_kernels():
+            return super().forward(x)
+        weight = self.weight.detach() if self.with_scale else None
+        return torch.ops.torchgemma.rms_norm(x, weight, self.eps, self.plus_one)
 
 
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────

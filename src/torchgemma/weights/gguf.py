@@ -22,7 +22,7 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,14 +206,30 @@ class _GGUFFile:
         except UnicodeDecodeError as err:
             raise GGUFError(f"{self.name}: {what} at byte {start} is not UTF-8 ({err})") from None
 
-    def _strings(self, count: int, key: str) -> list[str]:
-        # The vocabulary is 262k strings: one inlined loop rather than two method calls per string.
+    def _strings(self, count: int, key: str) -> Sequence[str]:
+        # The vocabulary is 262k strings and the merges 515k: their lengths are walked now (the
+        # header's end depends on them), the strings decoded only when read (_StringArray; a string
+        # that is not UTF-8 is named then). Loading the weights never reads them: ~45 MB of Python
+        # strings not made.
         data, size, pos, unpack = self._map, self.size, self._pos, struct.Struct("<Q").unpack_from
-        out: list[str] = []
+        start = pos
         for i in range(count):
             end = pos + 8 + (unpack(data, pos)[0] if pos + 8 <= size else 0)
-            if end > size:
-                break
+            if end > size:  # re-read the string that did not fit, for the error that says so
+                self._pos = pos
+                self._string(f"metadata key {key}, string {i} of {count}")
+            pos = end
+        self._pos = pos
+        if count < 4096:  # short arrays (and their errors) at once
+            return self.decode_strings(key, start, count)
+        return _StringArray(self, key, start, count)
+
+    def decode_strings(self, key: str, start: int, count: int) -> list[str]:
+        """The ``count`` length-prefixed UTF-8 strings from byte ``start`` (walked by ``_strings``)."""
+        data, pos, unpack = self._map, start, struct.Struct("<Q").unpack_from
+        out: list[str] = []
+        for i in range(count):
+            end = pos + 8 + unpack(data, pos)[0]
             try:
                 out.append(data[pos + 8 : end].decode("utf-8"))
             except UnicodeDecodeError as err:
@@ -221,9 +237,6 @@ class _GGUFFile:
                     f"{self.name}: metadata key {key}, string {i}, is not UTF-8 ({err})"
                 ) from None
             pos = end
-        self._pos = pos
-        if len(out) < count:  # re-read the string that did not fit, for the error that says so
-            self._string(f"metadata key {key}, string {len(out)} of {count}")
         return out
 
     def _value(self, type_id: int, key: str) -> Any:
@@ -276,16 +289,17 @@ class _GGUFFile:
                 f"{self.name} is truncated: tensor {info.name} needs bytes up to {end}, file has {self.size}"
             )
 
-    def release(self, info: _TensorInfo) -> None:
-        """Drop the tensor's pages from this process's memory once it has been read (a later read
-        faults them in again from the file): loading then holds one tensor's pages at a time, not
-        the whole file's."""
+    def release(self, info: _TensorInfo, begin: int = 0, end: int | None = None) -> None:
+        """Drop the tensor's pages (or those of its bytes ``begin:end``) from this process's memory
+        once they have been read (a later read faults them in again from the file): loading then
+        holds one tensor's pages at a time, not the whole file's."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = info.offset - info.offset % mmap.PAGESIZE
-        end = min(info.offset + info.n_bytes, self.size)
-        if end > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        start = info.offset + begin
+        start -= start % mmap.PAGESIZE
+        stop = min(info.offset + (info.n_bytes if end is None else end), self.size)
+        if stop > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def raw(self, info: _TensorInfo) -> np.ndarray:
         """The tensor's stored data, zero-copy, shaped as `gguf.quants.dequantize` expects."""
@@ -323,7 +337,37 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 _MAX_LAYERS = 512
 
 
+class _StringArray(Sequence[str]):
+    """A metadata array of strings, decoded from the file at its first read (then kept)."""
+
+    def __init__(self, file: _GGUFFile, key: str, start: int, count: int):
+        self._file, self._key, self._start, self._count = file, key, start, count
+        self._items: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            self._items = self._file.decode_strings(self._key, self._start, self._count)
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        return self._decoded()[index]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, _StringArray)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"<{self._count} strings of {self._key}>"
+
+
 def _all(value: Any, *types: type) -> bool:
+    if isinstance(value, _StringArray):  # strings by construction (a bad one fails when decoded)
+        return str in types
     return isinstance(value, list) and set(map(type, value)) <= set(types)
 
 
@@ -393,6 +437,8 @@ _TYPE_NAMES = {str: "string", int: "integer", float: "float", bool: "bool", list
 
 
 def _describe(value: Any) -> str:
+    if isinstance(value, _StringArray):
+        return f"an array of {len(value)} items (string)"
     if isinstance(value, list):
         if not value:
             return "an empty array"
@@ -740,9 +786,18 @@ INT_TYPES: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
 }  # fmt: skip
 
 
-def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> GroupedInts:
+def grouped_ints(
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    release: Callable[[int, int], None] | None = None,
+) -> GroupedInts:
     """A tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``), its leading
-    dimensions flattened into rows (stacked experts: (E, N, K) -> E * N rows)."""
+    dimensions flattened into rows (stacked experts: (E, N, K) -> E * N rows).
+
+    Converted a few MB of rows at a time into the result, ``release(begin, end)`` called on each
+    byte range of ``data`` once read: a large tensor (a 262144-row token table) is then never in
+    memory twice, as file pages and as integers."""
     if qtype not in _INTS or len(shape) < 2:
         raise GGUFError(f"{qtype.name} tensors of shape {list(shape)} are not read as grouped integers")
     rows, cols = math.prod(shape[:-1]), shape[-1]
@@ -750,19 +805,30 @@ def grouped_ints(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if cols % block or raw.size != rows * cols // block * type_size:
         raise GGUFError(f"{raw.size} bytes of {qtype.name} data do not hold a tensor of shape {list(shape)}")
-    blocks = raw.reshape(-1, type_size)
-    with np.errstate(invalid="ignore", over="ignore"):
-        bits, group, q, scales, mins = _INTS[qtype](blocks)
-        width = cols if bits == 8 else cols // 2
-        parts = [np.ascontiguousarray(v, np.float32) for v in (scales, mins) if v is not None]
-        if all(_exact_in_half(v) for v in parts):
-            parts = [v.astype(np.float16) for v in parts]
-        scales, mins = [torch.from_numpy(v.reshape(rows, cols // group)) for v in parts] + [None] * (
-            2 - len(parts)
-        )
-        return GroupedInts(
-            bits, group, torch.from_numpy(np.ascontiguousarray(q).reshape(rows, width)), scales, mins
-        )
+    row_bytes = cols // block * type_size
+    step = max(1, (1 << 20) // row_bytes)
+    q_all = scales_all = mins_all = None
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        blocks = raw[start * row_bytes : stop * row_bytes].reshape(-1, type_size)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bits, group, q, scales, mins = _INTS[qtype](blocks)
+        if q_all is None:
+            width = cols if bits == 8 else cols // 2
+            q_all = np.empty((rows, width), q.dtype)
+            scales_all = np.empty((rows, cols // group), np.float32)
+            mins_all = None if mins is None else np.empty((rows, cols // group), np.float32)
+        q_all[start:stop] = q.reshape(stop - start, -1)
+        scales_all[start:stop] = scales.reshape(stop - start, -1)
+        if mins is not None:
+            mins_all[start:stop] = mins.reshape(stop - start, -1)
+        if release is not None:
+            release(start * row_bytes, stop * row_bytes)
+    parts = [v for v in (scales_all, mins_all) if v is not None]
+    if all(_exact_in_half(v) for v in parts):
+        parts = [v.astype(np.float16) for v in parts]
+    scales, mins = [torch.from_numpy(v) for v in parts] + [None] * (2 - len(parts))
+    return GroupedInts(bits, group, torch.from_numpy(q_all), scales, mins)
 
 
 def _exact_in_half(values: np.ndarray) -> bool:
@@ -929,7 +995,9 @@ class GGUFCheckpoint:
         if self.int_format(hf_name) is None:
             raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
         info = self._gguf[self._entry(hf_name).sources[0]]
-        ints = grouped_ints(self._file.raw(info), info.qtype, info.shape)
+        ints = grouped_ints(
+            self._file.raw(info), info.qtype, info.shape, lambda a, b: self._file.release(info, a, b)
+        )
         self._file.release(info)
         return ints
 

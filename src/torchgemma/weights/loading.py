@@ -29,6 +29,7 @@ from ..quantization import (
     QuantizedWeight,
     choose_formats,
     ensure_kernels,
+    fuse_norms,
     mode_format,
     quantizable,
     quantized_shell,
@@ -236,6 +237,7 @@ def _build(
         model.quantization = quantization
         if quantization["layers"] and device.type == "cpu":
             ensure_kernels()
+            fuse_norms(model)
     return model.eval()
 
 
