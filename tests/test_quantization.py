@@ -87,6 +87,25 @@ def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows, scale
     assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
 
 
+@pytest.mark.parametrize(("bits", "group", "mins"), [(8, 32, False), (8, 16, True), (4, 32, True), (5, 64, True)])
+def test_dense_product_is_the_float32_product_of_the_dequantized_weight(bits, group, mins):
+    """Prefill's path (16 rows or more): slabs of dequantized rows through the BLAS, over a weight
+    whose rows are not a whole number of slabs (1000 rows of 320: slabs of 819)."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k = 1000, 320
+    q = kernels.pack(random_ints(n, k, bits, seed=9), bits)
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02
+    offsets = torch.randn(n, k // group, generator=gen) * 0.05 if mins else None
+    x = torch.randn(2, 17, k, generator=gen)
+    out = torch.ops.torchgemma.qlinear_dense(x, q, scales, offsets, bits, group)
+    weight = kernels._dequantize_reference(q, scales, offsets, bits, group)
+    exact = x.double() @ weight.double().T
+    assert out.shape == (2, 17, n) and out.dtype == torch.float32
+    assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
+
+
 @pytest.mark.parametrize(
     ("bits", "group", "mins", "scale_dtype"),
     [
@@ -137,7 +156,7 @@ def test_operators_check_their_inputs():
     ("bits", "mins", "scale_dtype"),
     [(4, True, torch.float32), (5, True, torch.float16), (8, False, torch.float16)],
 )
-@pytest.mark.parametrize("op", ["qlinear", "dequantize"])
+@pytest.mark.parametrize("op", ["qlinear", "qlinear_dense", "dequantize"])
 def test_operators_pass_torch_library_opcheck(op, bits, mins, scale_dtype):
     """The fake (meta) kernels agree with the real ones, so torch.compile traces the layers."""
     ensure_kernels()

@@ -37,6 +37,10 @@ _LIBRARY.define(
     "qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
 )
 _LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor")
+# x @ W.T for many rows (prefill): the float32 BLAS on W dequantized a slab of rows at a time.
+_LIBRARY.define(
+    "qlinear_dense(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
+)
 # The greedy head's two helpers (CPU kernels only; see QuantizedWeight.argmax): scores of every row
 # with int8-rounded activations and a bound on their distance from qlinear's, and the rows' norms.
 _LIBRARY.define(
@@ -128,6 +132,11 @@ def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.register_fake("torchgemma::qlinear_dense")
+def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
+    return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
+
+
 @torch.library.register_fake("torchgemma::rms_norm")
 def _rms_norm_fake(x, weight, eps, plus_one):
     return torch.empty_like(x)
@@ -142,6 +151,7 @@ def _dequantize_fake(qweight, scales, mins, bits, group_size):
 # Every backend's default; the C++ library, once loaded, registers CPU kernels that take precedence.
 _LIBRARY.impl("qlinear", _qlinear_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("dequantize", _dequantize_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("qlinear_dense", _qlinear_reference, "CompositeExplicitAutograd")
 
 
 # ── building the C++ kernels ───────────────────────────────────────────────────────────────────

@@ -99,8 +99,9 @@ class QuantizedWeight(nn.Module):
         f = self.format
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if rows >= DENSE_ROWS and not torch.compiler.is_compiling():
-            weight = self.dequantize()
-            out = torch.nn.functional.linear(x.to(torch.float32), weight)
+            out = torch.ops.torchgemma.qlinear_dense(
+                x, self.qweight, self.scales, self.mins, f.bits, f.group_size
+            )
         else:
             out = torch.ops.torchgemma.qlinear(x, self.qweight, self.scales, self.mins, f.bits, f.group_size)
         return out.to(x.dtype if x.is_floating_point() else self.compute_dtype)

@@ -180,6 +180,11 @@ class _GGUFFile:
             if name in self.tensors:
                 raise GGUFError(f"{self.name} lists tensor {name} twice")
             self.tensors[name] = _TensorInfo(name, type_id, dims, self.data_offset + offset)
+        # The header (a 262k vocabulary and its merges: ~15 MB) has been walked: its pages leave the
+        # process until a string array is read (they fault in again from the file then).
+        header = min(self.data_offset, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and header > 0:
+            self._map.madvise(mmap.MADV_DONTNEED, 0, header)
 
     # -- header parsing ----------------------------------------------------------------------------
 
