@@ -87,7 +87,9 @@ def test_cpu_kernels_equal_the_reference_operator(bits, group, mins, rows, scale
     assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
 
 
-@pytest.mark.parametrize(("bits", "group", "mins"), [(8, 32, False), (8, 16, True), (4, 32, True), (5, 64, True)])
+@pytest.mark.parametrize(
+    ("bits", "group", "mins"), [(8, 32, False), (8, 16, True), (4, 32, True), (5, 64, True)]
+)
 def test_dense_product_is_the_float32_product_of_the_dequantized_weight(bits, group, mins):
     """Prefill's path (16 rows or more): slabs of dequantized rows through the BLAS, over a weight
     whose rows are not a whole number of slabs (1000 rows of 320: slabs of 819)."""
