@@ -9,8 +9,9 @@ weight mode, transformers and llama.cpp, in one run.
   the Q4_K_M weights as they are, the same thread count.
 
 Greedy decoding without stop tokens from the same prompt tokens; the first token's arrival times the
-prefill, the rest the decode. For each thread count the implementations take turns within every
-round (interleaved), warm-up rounds are dropped, figures are medians. Peak memory is each
+prefill, the rest the decode. Each implementation runs in a process of its own (all alive at once);
+for each thread count they take turns within every round (interleaved), warm-up rounds are dropped,
+figures are medians. Peak memory is each
 implementation's maximum resident set size in a process of its own that loads the model and
 generates once from the prompt's token ids; what torchgemma's tokenizer adds is measured apart. Prints a table and a JSON line. Not a test.
 
@@ -85,6 +86,41 @@ def build(name: str, threads: int):
 
     llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
     return time_llama_cpp, llm, ids
+
+
+def _serve(name: str, threads: int, new_tokens: int, conn) -> None:
+    """A worker process: build one implementation, then time a generation per request."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(threads)
+    timer, model, inputs = build(name, threads)
+    conn.send(len(inputs) if isinstance(inputs, list) else inputs.shape[-1])
+    while conn.recv() == "run":
+        stamps, tokens = timer(model, inputs, new_tokens)
+        conn.send(
+            (stamps, [int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)])
+        )
+
+
+class _Worker:
+    def __init__(self, name: str, threads: int, new_tokens: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(name, threads, new_tokens, child), daemon=True)
+        self.process.start()
+        self._prompt_len = self.conn.recv()
+
+    def prompt_len(self) -> int:
+        return self._prompt_len
+
+    def run(self) -> tuple[list[float], list[int]]:
+        self.conn.send("run")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.process.join()
 
 
 def peak_rss(name: str, threads: int, new_tokens: int) -> float:
@@ -168,23 +204,24 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {}
     for threads in args.threads:
-        torch.set_num_threads(threads)
-        runners = {name: build(name, threads) for name in names}
-        prompt_len = len(runners[names[0]][2][0])
-        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+        # One process per implementation, all alive, taking turns: no implementation shares a
+        # process (its thread pools, its allocator, its memory) with another.
+        torch.set_num_threads(threads)  # (what the report's machine line says)
+        workers = {name: _Worker(name, threads, args.new_tokens) for name in names}
+        prompt_len = workers[names[0]].prompt_len()
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
         outputs = {}
         for run in range(args.warmup + args.runs):
-            for name, (timer, model, inputs) in runners.items():
+            for name, worker in workers.items():
                 # llama.cpp's worker threads spin a while after each call: let them settle, so
                 # that they do not take a core from whoever runs next.
                 time.sleep(0.5)
-                stamps, tokens = timer(model, inputs, args.new_tokens)
+                stamps, tokens = worker.run()
                 if run >= args.warmup:
                     samples[name].append(speeds(stamps, prompt_len))
-                outputs[name] = [
-                    int(t) for t in (tokens.flatten().tolist() if torch.is_tensor(tokens) else tokens)
-                ]
-        del runners
+                outputs[name] = tokens
+        for worker in workers.values():
+            worker.close()
         reference = outputs.get("torchgemma fp32", outputs[names[0]])
         results[str(threads)] = {
             name: {
