@@ -943,6 +943,32 @@ def test_grouped_ints_dequantize_to_the_files_values(qtype):
         assert torch.equal(torch.ops.torchgemma.dequantize(*args), expected)
 
 
+def test_grouped_ints_convert_in_slabs_and_widen_scales_when_one_is_not_half(monkeypatch):
+    """Rows are converted a slab at a time (each slab's file bytes released after): over several
+    slabs the values are the file's, and a slab whose offsets float16 cannot hold (here the last,
+    one huge d) turns the tensor's scales and offsets to float32, earlier slabs widened exactly."""
+    from torchgemma.quantization import kernels
+    from torchgemma.weights.gguf import grouped_ints
+
+    rows, cols = 300, 512
+    raw = random_blocks(T.Q4_0, (rows, cols), np.random.default_rng(5))
+    raw[-1, :2] = np.array([30000.0], np.float16).view(np.uint8)  # -8 d overflows float16
+    released = []
+    row_bytes = raw.size // rows
+    import torchgemma.weights.gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "_SLAB_BYTES", 16 * row_bytes)  # 16 rows per slab
+    ints = grouped_ints(raw, T.Q4_0, (rows, cols), lambda a, b: released.append((a, b)))
+    assert released[0] == (0, 16 * row_bytes) and released[-1][1] == rows * row_bytes
+    assert len(released) == -(-rows // 16)
+    assert ints.scales.dtype == ints.mins.dtype == torch.float32
+    expected = dequantize(raw, T.Q4_0, (rows, cols))
+    args = (ints.qweight, ints.scales, ints.mins, ints.bits, ints.group_size)
+    assert torch.equal(kernels._dequantize_reference(*args), expected)
+    raw[-1, :2] = np.array([1.0], np.float16).view(np.uint8)
+    assert grouped_ints(raw, T.Q4_0, (rows, cols)).scales.dtype == torch.float16
+
+
 def test_gguf_blocks_load_save_and_load_back_to_the_bit(synthetic, tmp_path):
     """quantize="gguf" on a file of every 32-wide type: each layer dequantizes to the file's values,
     and torchgemma.save -> load gives back the same formats and bits."""

@@ -791,6 +791,9 @@ INT_TYPES: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
 }  # fmt: skip
 
 
+_SLAB_BYTES = 1 << 20  # file bytes converted at a time by grouped_ints
+
+
 def grouped_ints(
     data: np.ndarray,
     qtype: GGMLQuantizationType,
@@ -811,27 +814,35 @@ def grouped_ints(
     if cols % block or raw.size != rows * cols // block * type_size:
         raise GGUFError(f"{raw.size} bytes of {qtype.name} data do not hold a tensor of shape {list(shape)}")
     row_bytes = cols // block * type_size
-    step = max(1, (1 << 20) // row_bytes)
-    q_all = scales_all = mins_all = None
+    step = max(1, _SLAB_BYTES // row_bytes)
+    q_all, parts, half = None, [], True  # parts: the scales (and mins), float16 while exact
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         blocks = raw[start * row_bytes : stop * row_bytes].reshape(-1, type_size)
         with np.errstate(invalid="ignore", over="ignore"):
-            bits, group, q, scales, mins = _INTS[qtype](blocks)
+            bits, group, q, *chunk = _INTS[qtype](blocks)
+        chunk = [
+            np.ascontiguousarray(v, np.float32).reshape(stop - start, -1) for v in chunk if v is not None
+        ]
         if q_all is None:
-            width = cols if bits == 8 else cols // 2
-            q_all = np.empty((rows, width), q.dtype)
-            scales_all = np.empty((rows, cols // group), np.float32)
-            mins_all = None if mins is None else np.empty((rows, cols // group), np.float32)
+            q_all = np.empty((rows, q.size // (stop - start)), q.dtype)
+            parts = [np.empty((rows, v.shape[1]), np.float16) for v in chunk]
         q_all[start:stop] = q.reshape(stop - start, -1)
-        scales_all[start:stop] = scales.reshape(stop - start, -1)
-        if mins is not None:
-            mins_all[start:stop] = mins.reshape(stop - start, -1)
+        if half and not all(_exact_in_half(v) for v in chunk):
+            # Kept as float32 from here: the rows so far widen exactly (no float32 copy of a
+            # tensor whose scales float16 holds, as the token table's: 21 MB freed again would
+            # raise malloc's mmap threshold and grow the heap later).
+            half = False
+            parts = [
+                np.concatenate(
+                    (p[:start].astype(np.float32), np.empty((rows - start, p.shape[1]), np.float32))
+                )
+                for p in parts
+            ]
+        for part, v in zip(parts, chunk):
+            part[start:stop] = v
         if release is not None:
             release(start * row_bytes, stop * row_bytes)
-    parts = [v for v in (scales_all, mins_all) if v is not None]
-    if all(_exact_in_half(v) for v in parts):
-        parts = [v.astype(np.float16) for v in parts]
     scales, mins = [torch.from_numpy(v) for v in parts] + [None] * (2 - len(parts))
     return GroupedInts(bits, group, torch.from_numpy(q_all), scales, mins)
 
