@@ -30,29 +30,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 for bf16/fp32 as the reference; a float64 model stays float64.
-        xf = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         if self.plus_one:
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (normed * self._plus_one(xf.dtype)).type_as(x)
+            return (normed * (1.0 + self.weight.to(xf.dtype))).type_as(x)
         # pow(., -0.5) rather than rsqrt: the reference chose it to agree with JAX, and rsqrt can
         # differ in the last ulp.
         normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.with_scale:
             normed = normed * self.weight.to(xf.dtype)
         return normed.type_as(x)
-
-    def _plus_one(self, dtype: torch.dtype) -> torch.Tensor:
-        """``1.0 + weight`` in ``dtype``, the tensor the reference makes on every call, made once per
-        weight here (again if the weight changes in place, e.g. through ``load_state_dict``). Made
-        per call where gradients flow to the weight or while compiling."""
-        w = self.weight
-        if (w.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return 1.0 + w.to(dtype)
-        key = (w.data_ptr(), w._version, w.device, dtype)
-        cached = self.__dict__.get("_scale")
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_scale"] = (key, 1.0 + w.to(dtype))
-        return cached[1]
 
 
 def rounded_scales(value: float, rounded: bool = True) -> dict[torch.dtype, float]:

@@ -22,8 +22,9 @@ from torch import nn
 from ..model.layers import RMSNorm
 from . import kernels
 
-# Calls with at least this many rows dequantize the weight once and use the float32 matrix product:
-# from here on a BLAS beats re-reading the integers row block by row block (measured on AVX2).
+# Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
+# time (qlinear_dense): from here on it beats re-reading the integers row block by row block
+# (measured on AVX2).
 DENSE_ROWS = 16
 
 
@@ -104,8 +105,12 @@ class QuantizedWeight(nn.Module):
             out = torch.ops.torchgemma.qlinear_dense.default(*args)
         else:
             out = torch.ops.torchgemma.qlinear.default(*args)
-        dtype = x.dtype if x.is_floating_point() else self.compute_dtype
+        dtype = self._out_dtype(x)
         return out if out.dtype == dtype else out.to(dtype)
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """What products return: the input's dtype (the model's), or the model's for integer input."""
+        return x.dtype if x.is_floating_point() else self.compute_dtype
 
     def argmax(self, x: torch.Tensor, transform=None) -> torch.Tensor:
         """x (M, K) -> (M,) int64: ``transform(self.matmul(x)).argmax(-1)``, the same tokens, read
@@ -144,7 +149,7 @@ class QuantizedWeight(nn.Module):
             mins = None if self.mins is None else self.mins[candidates]
             values = torch.ops.torchgemma.qlinear(
                 x[m : m + 1], self.qweight[candidates], self.scales[candidates], mins, f.bits, f.group_size
-            ).to(x.dtype if x.is_floating_point() else self.compute_dtype)[0]
+            ).to(self._out_dtype(x))[0]
             if transform is not None:
                 # Padded to whole vectors: elementwise kernels take a tensor's tail by a scalar
                 # loop, which need not round as their vector loop does (tanh).
