@@ -803,7 +803,7 @@ def grouped_ints(
     """A tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``), its leading
     dimensions flattened into rows (stacked experts: (E, N, K) -> E * N rows).
 
-    Converted a few MB of rows at a time into the result, ``release(begin, end)`` called on each
+    Converted ~1 MB of file bytes (``_SLAB_BYTES``) at a time into the result, ``release(begin, end)`` called on each
     byte range of ``data`` once read: a large tensor (a 262144-row token table) is then never in
     memory twice, as file pages and as integers."""
     if qtype not in _INTS or len(shape) < 2:
