@@ -164,7 +164,9 @@ _built = False
 def _cpu_flags() -> list[str]:
     """Compiler flags for the instruction sets this CPU has (the build is cached per flag set)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    if capability in ("AVX2", "AVX512"):
+    if capability == "AVX512":  # ATen's test: AVX-512 F, BW, VL and DQ
+        return ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c"]
     return []
 
@@ -230,7 +232,8 @@ def _library_path() -> Path:
             [_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()]
         )
     ).hexdigest()[:12]
-    name = f"torchgemma_qlinear_{'avx2' if flags else 'portable'}_{digest}"
+    isa = "avx512" if "-mavx512f" in flags else "avx2" if flags else "portable"
+    name = f"torchgemma_qlinear_{isa}_{digest}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_extensions"
     )

@@ -47,6 +47,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TG_AVX2 1
+// Built for a CPU with AVX-512: the products take 16 values per instruction where the sums allow it,
+// in exactly the AVX2 code's order (lanes 0-7 and 8-15 of a 512-bit accumulator are its two 256-bit
+// chains), so both builds give the same bits.
+#if defined(__AVX512F__)
+#define TG_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -134,6 +140,54 @@ inline void rows_q8(const int8_t* q, int64_t q_stride, const S* scales, int64_t 
     for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(total[m][r]);
 }
 
+#ifdef TG_AVX512
+// The two 256-bit halves of v, added: lane i is (lane i) + (lane i + 8).
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
+// rows_q8 for groups of exactly 32 values (GGUF's Q8_0 and Q5_0): the same sums in the same order,
+// with a group's two chains written out rather than left to the general loop (2048 x 640, one
+// thread, weights in cache: 99 -> 82 us per product; from memory, 116 -> 100-112).
+template <int MB, int R, typename S>
+inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
+                        const float* x, int64_t x_stride, float* acc_out) {
+  __m256 total[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const int64_t k = g * 32;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qr = q + r * q_stride + k;
+      const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
+#ifdef TG_AVX512
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr))));
+      const __m512 w1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + 16))));
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * x_stride + k;
+        __m512 d = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), _mm512_setzero_ps());
+        d = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), d);
+        total[m][r] = _mm256_fmadd_ps(s, fold(d), total[m][r]);
+      }
+#else
+      const __m256 w0 = load_i8(qr), w1 = load_i8(qr + 8), w2 = load_i8(qr + 16), w3 = load_i8(qr + 24);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * x_stride + k;
+        __m256 dot = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), _mm256_setzero_ps());
+        __m256 odd = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), _mm256_setzero_ps());
+        dot = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), dot);
+        odd = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), odd);
+        total[m][r] = _mm256_fmadd_ps(s, _mm256_add_ps(dot, odd), total[m][r]);
+      }
+#endif
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(total[m][r]);
+}
+
 // 32 bits at p -> 32 bytes: byte j is 0x10 where bit j is set (bit 4 of 5-bit value j), else 0.
 // Each byte of the broadcast word goes to 8 lanes (shuffle), then each lane tests its own bit.
 inline __m256i fifth_bits(const uint8_t* p) {
@@ -161,7 +215,9 @@ inline void block_bytes_u8(const uint8_t* p, __m128i& lo, __m128i& hi) {
   }
 }
 
-// The same for bits 4 and 5 (G a multiple of 32).
+// The same for bits 4 and 5 (G a multiple of 32). Two chains per group, as rows_q8: values 0-7 and
+// 16-23 of each block of 32 in one, 8-15 and 24-31 in the other (an AVX-512 build keeps both in one
+// 512-bit register: its lanes 0-15 are a block's first 16 values, then its last 16).
 template <int MB, int R, int BITS, typename S>
 inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                     int64_t G, const float* x, int64_t x_stride, float* acc_out) {
@@ -170,24 +226,49 @@ inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
   const int64_t groups = K / G;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 dot[MB][R];
+#ifdef TG_AVX512
+    __m512 dot[MB][R];
     for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r) dot[m][r] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) dot[m][r] = _mm512_setzero_ps();
+#else
+    __m256 dot[MB][R], odd[MB][R];
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) dot[m][r] = odd[m][r] = _mm256_setzero_ps();
+#endif
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       for (int r = 0; r < R; ++r) {
         __m128i lo, hi;  // values k .. k+15, k+16 .. k+31
         block_bytes_u8<BITS>(q + r * q_stride + k / 32 * block_bytes(BITS), lo, hi);
+#ifdef TG_AVX512
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * x_stride + k;
+          dot[m][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), dot[m][r]);
+          dot[m][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), dot[m][r]);
+        }
+#else
         const __m256 w[4] = {widen_u8(lo), widen_u8(_mm_srli_si128(lo, 8)), widen_u8(hi),
                              widen_u8(_mm_srli_si128(hi, 8))};
         for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * x_stride + k;
-          for (int j = 0; j < 4; ++j) dot[m][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), dot[m][r]);
+          dot[m][r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xm), dot[m][r]);
+          odd[m][r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), odd[m][r]);
+          dot[m][r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), dot[m][r]);
+          odd[m][r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), odd[m][r]);
         }
+#endif
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
-      for (int m = 0; m < MB; ++m) total[m][r] = _mm256_fmadd_ps(s, dot[m][r], total[m][r]);
+      for (int m = 0; m < MB; ++m) {
+#ifdef TG_AVX512
+        const __m256 sum = fold(dot[m][r]);
+#else
+        const __m256 sum = _mm256_add_ps(dot[m][r], odd[m][r]);
+#endif
+        total[m][r] = _mm256_fmadd_ps(s, sum, total[m][r]);
+      }
     }
   }
   for (int m = 0; m < MB; ++m)
@@ -264,6 +345,7 @@ inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64
   auto run = [&](auto mb, auto r) {
     constexpr int MB = decltype(mb)::value, R = decltype(r)::value;
     if constexpr (BITS == 8) {
+      if (G == 32) return rows_q8_g32<MB, R>(reinterpret_cast<const int8_t*>(q), q_stride, scales, groups, K, x, x_stride, acc_out);
       rows_q8<MB, R>(reinterpret_cast<const int8_t*>(q), q_stride, scales, groups, K, G, x, x_stride, acc_out);
     } else {
       rows_qn<MB, R, BITS>(q, q_stride, scales, groups, K, G, x, x_stride, acc_out);
@@ -730,22 +812,32 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>&
   const int64_t K = x_in.size(-1);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
-  std::vector<float> scale(K, 1.f);
+  // The weight's factors (1 + w or w), as the reference rounds them; the pointer read once (a
+  // data_ptr() per value cost ~3 us per 640-value norm).
+  std::vector<float> scale;
   if (weight) {
     TORCH_CHECK(weight->numel() == K, "rms_norm: weight of ", weight->numel(), " values for ", K, " features");
     const at::Tensor w = weight->to(at::kFloat).contiguous();
-    for (int64_t k = 0; k < K; ++k) scale[k] = plus_one ? 1.0f + w.data_ptr<float>()[k] : w.data_ptr<float>()[k];
+    const float* wp = w.data_ptr<float>();
+    scale.resize(K);
+    for (int64_t k = 0; k < K; ++k) scale[k] = plus_one ? 1.0f + wp[k] : wp[k];
   }
+  const float* sp = weight ? scale.data() : nullptr;
   at::Tensor out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* row = xp + m * K;
+      float* dst = op + m * K;
       double squares = 0;
       for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
       const float r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(static_cast<float>(squares / K)) + eps));
-      for (int64_t k = 0; k < K; ++k) op[m * K + k] = row[k] * r * scale[k];
+      if (sp) {
+        for (int64_t k = 0; k < K; ++k) dst[k] = row[k] * r * sp[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) dst[k] = row[k] * r;
+      }
     }
   });
   return out.view(x_in.sizes());
