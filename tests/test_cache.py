@@ -123,6 +123,32 @@ def test_cache_layout_is_the_architectural_minimum(text_checkpoints):
     assert model.make_cache(1, 3).layers[0].keys.shape[2] == 3
 
 
+def test_rows_of_one_length_store_as_the_indexed_path(text_checkpoints):
+    """Rows that share a length and store every token write their keys as slices (no index
+    tensors): the buffers and what each call attends to equal the indexed path's (the same call
+    with an all-true mask), through chunks shorter and longer than the ring and its wrap-arounds."""
+    model = torchgemma.load(text_checkpoints["e2b"])
+    fast, indexed = model.make_cache(3, 40), model.make_cache(3, 40)
+    gen = torch.Generator().manual_seed(1)
+    for length in [3, 1, 2, 1, 1, 5, 1, 4, 1, 1, 9, 1]:
+        steps = (
+            fast.step([1, 2], length),
+            indexed.step([1, 2], length, valid=torch.ones(2, length, dtype=torch.bool)),
+        )
+        assert steps[0].common_start is not None and steps[1].common_start is None
+        for ours, theirs in zip(fast.layers, indexed.layers):
+            if ours is None:
+                continue
+            key, value = (
+                torch.randn(2, ours.keys.shape[1], length, ours.keys.shape[3], generator=gen) for _ in "kv"
+            )
+            for a, b in zip(ours.update(key, value, steps[0]), theirs.update(key, value, steps[1])):
+                assert torch.equal(a, b)
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        fast.commit(steps[0])
+        indexed.commit(steps[1])
+
+
 def test_cache_overflow_and_batch_mismatch_are_errors(text_checkpoints):
     model = torchgemma.load(text_checkpoints["31b"])
     cache = model.make_cache(batch_size=1, max_len=8)

@@ -66,6 +66,17 @@ class CacheStep:
     counts: list[int] | None = None
     starts: list[int] | None = None
 
+    @property
+    def common_start(self) -> int | None:
+        """The length before the call when the rows are a range of slots that all hold that many
+        tokens and store every token of the call (a batch-1 decode step, always): the call's keys
+        then go to the same columns of every row, written as slices, without index tensors."""
+        starts = self.starts
+        if self.row_slice is None or starts is None or self.written is not None or self.active is not None:
+            return None
+        first = starts[0]
+        return first if all(start == first for start in starts) else None
+
 
 def _write(buffer: torch.Tensor, step: CacheStep, cols: torch.Tensor, new: torch.Tensor, keep) -> None:
     """Store ``new`` (B, Hkv, T, D) at columns ``cols`` (B, T) of the rows' slots, where ``keep``."""
@@ -112,10 +123,16 @@ class FullLayerCache:
         self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys/values, then return columns ``[0, full_span)`` of the rows' slots."""
+        span = slice(0, step.full_span)
+        start = step.common_start
+        if start is not None:
+            rows, columns = step.row_slice, slice(start, start + key.shape[2])
+            self.keys[rows, :, columns] = key
+            self.values[rows, :, columns] = value
+            return self.keys[rows, :, span], self.values[rows, :, span]
         cols = step.positions.clamp(max=self.keys.shape[2] - 1)
         _write(self.keys, step, cols, key, step.written)
         _write(self.values, step, cols, value, step.written)
-        span = slice(0, step.full_span)
         return _read(self.keys, step, span), _read(self.values, step, span)
 
 
@@ -142,7 +159,16 @@ class SlidingLayerCache:
             keys = [self.keys[rows, :, a:b] for a, b in spans if b > a] + [key]
             values = [self.values[rows, :, a:b] for a, b in spans if b > a] + [value]
             keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-            self._store(key, value, step)
+            start, length = step.common_start, key.shape[2]
+            if start is not None and length <= self.ring:
+                # Every token stored, at (at most) two slices of ring columns.
+                head = min(length, self.ring - start % self.ring)
+                for buffer, new in ((self.keys, key), (self.values, value)):
+                    buffer[rows, :, start % self.ring : start % self.ring + head] = new[:, :, :head]
+                    if head < length:
+                        buffer[rows, :, : length - head] = new[:, :, head:]
+            else:
+                self._store(key, value, step)
             return keys, values
         columns = step.past % self.ring
         past_keys, past_values = _read(self.keys, step, columns), _read(self.values, step, columns)
