@@ -670,10 +670,30 @@ def test_fused_rms_norm_is_the_reference_to_rounding(plus_one, with_scale):
     assert torch.equal(fused(x.bfloat16()), reference(x.bfloat16()))  # other dtypes: the reference
 
 
-def test_quantized_models_fuse_their_decoder_norms(text_checkpoints):
-    """quantize() and a quantized load both fuse the text decoder's norms; a float model does not."""
-    from torchgemma.model.layers import RMSNorm
-    from torchgemma.quantization.modules import FusedRMSNorm
+def test_fused_rope_is_apply_rope_to_the_bit():
+    """One C++ call = apply_rope's operators to the bit (float32 CPU), on a non-contiguous input with
+    several rows, tokens and heads; other dtypes take apply_rope itself."""
+    from torchgemma.model.layers import apply_rope, rope_cos_sin
+    from torchgemma.quantization.modules import fused_rope
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    gen = torch.Generator().manual_seed(2)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 256, 2).float() / 256)
+    positions = torch.tensor([[0, 1, 2, 7, 4095], [9, 10, 11, 12, 13]])
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+    x = torch.randn(2, 4, 5, 256, generator=gen).transpose(1, 2) * 3  # (B, T, H, D), not contiguous
+    assert torch.equal(fused_rope(x, cos, sin), apply_rope(x, cos, sin))
+    half = [t.bfloat16() for t in (x, cos, sin)]
+    assert torch.equal(fused_rope(*half), apply_rope(*half))
+
+
+def test_quantized_models_fuse_their_decoder_norms_and_rope(text_checkpoints):
+    """quantize() and a quantized load both fuse the text decoder's norms and rotations; a float
+    model does not."""
+    from torchgemma.model.layers import RMSNorm, apply_rope
+    from torchgemma.model.text import Attention
+    from torchgemma.quantization.modules import FusedRMSNorm, fused_rope
 
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())
@@ -682,4 +702,7 @@ def test_quantized_models_fuse_their_decoder_norms(text_checkpoints):
     for model in (quantize(torchgemma.load(folder), "int8"), torchgemma.load(folder, quantize="int4")):
         norms = [type(m) for m in model.language_model.modules() if isinstance(m, RMSNorm)]
         assert norms and set(norms) == {FusedRMSNorm}
+        ropes = [m.rope for m in model.language_model.modules() if isinstance(m, Attention)]
+        assert ropes and set(ropes) == {fused_rope}
     assert FusedRMSNorm not in {type(m) for m in plain.modules()}
+    assert {m.rope for m in plain.modules() if isinstance(m, Attention)} == {apply_rope}

@@ -204,6 +204,9 @@ ATTENTION = {"eager": eager_backend, "sdpa": sdpa_backend}
 
 
 class Attention(nn.Module):
+    # How queries and keys are rotated (a quantized model on the CPU swaps in one C++ call).
+    rope = staticmethod(apply_rope)
+
     def __init__(self, config: TextConfig, spec: LayerSpec, backend: str):
         super().__init__()
         self.spec = spec
@@ -232,7 +235,7 @@ class Attention(nn.Module):
         spec = self.spec
         batch, length, _ = x.shape
         query = self.q_norm(self.q_proj(x).view(batch, length, -1, spec.head_dim))
-        query = apply_rope(query, inputs.cos, inputs.sin).transpose(1, 2)  # (B, H, T, D)
+        query = self.rope(query, inputs.cos, inputs.sin).transpose(1, 2)  # (B, H, T, D)
 
         if spec.kv_role == "reuse":
             # Exactly the keys/values (and so the mask) the source layer attended to in this pass.
@@ -241,7 +244,7 @@ class Attention(nn.Module):
             key = self.k_proj(x).view(batch, length, -1, spec.head_dim)
             # K=V: values are the raw key projection, before k_norm and RoPE.
             value = key if self.v_proj is None else self.v_proj(x).view(batch, length, -1, spec.head_dim)
-            key = apply_rope(self.k_norm(key), inputs.cos, inputs.sin).transpose(1, 2)  # (B, Hkv, T, D)
+            key = self.rope(self.k_norm(key), inputs.cos, inputs.sin).transpose(1, 2)  # (B, Hkv, T, D)
             if self.v_norm is not None:
                 value = self.v_norm(value)
             value = value.transpose(1, 2)

@@ -51,6 +51,8 @@ _LIBRARY.define("row_norms(Tensor qweight, Tensor scales, int bits, int group_si
 _LIBRARY.define("bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Tensor)")
 # RMSNorm in one call (float32, CPU): what a quantized model's norms run (FusedRMSNorm).
 _LIBRARY.define("rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor")
+# RoPE in one call (float32, CPU), the bits of layers.apply_rope: a quantized model's (fused_rope).
+_LIBRARY.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 
 
 def packed_width(features: int, bits: int) -> int:
@@ -139,6 +141,11 @@ def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
 
 @torch.library.register_fake("torchgemma::rms_norm")
 def _rms_norm_fake(x, weight, eps, plus_one):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("torchgemma::rope")
+def _rope_fake(x, cos, sin):
     return torch.empty_like(x)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..model.layers import RMSNorm
+from ..model.layers import RMSNorm, apply_rope
 from . import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
@@ -316,10 +316,34 @@ class FusedRMSNorm(RMSNorm):
     anything else (other dtypes, devices, no C++ kernels) takes RMSNorm's own forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not kernels.ensure_kernels():
+        # (Attributes read directly: this runs ~110 times per decoded token.)
+        if x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels.ensure_kernels():
             return super().forward(x)
-        weight = self.weight.detach() if self.with_scale else None
-        return torch.ops.torchgemma.rms_norm(x, weight, self.eps, self.plus_one)
+        weight = self._parameters.get("weight")
+        if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+            weight = weight.detach()  # the op has no backward: it never sees a tensor that asks for one
+        return _RMS_NORM(x, weight, self.eps, self.plus_one)
+
+
+_RMS_NORM = torch.ops.torchgemma.rms_norm.default
+
+
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` as one C++ call on float32 CPU tensors, to the bit (four operators fewer per
+    rotation, two rotations per layer); anything else takes ``apply_rope`` itself."""
+    if (
+        x.dtype is torch.float32
+        and cos.dtype is torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 4
+        and cos.shape == (x.shape[0], x.shape[1], x.shape[3])
+        and kernels.ensure_kernels()
+    ):
+        return _ROPE(x, cos, sin)
+    return apply_rope(x, cos, sin)
+
+
+_ROPE = torch.ops.torchgemma.rope.default
 
 
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────

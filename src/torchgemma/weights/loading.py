@@ -29,7 +29,7 @@ from ..quantization import (
     QuantizedWeight,
     choose_formats,
     ensure_kernels,
-    fuse_norms,
+    fuse_ops,
     mode_format,
     quantizable,
     quantized_shell,
@@ -237,7 +237,7 @@ def _build(
         model.quantization = quantization
         if quantization["layers"] and device.type == "cpu":
             ensure_kernels()
-            fuse_norms(model)
+            fuse_ops(model)
     return model.eval()
 
 

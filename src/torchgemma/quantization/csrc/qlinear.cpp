@@ -843,9 +843,44 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>&
   return out.view(x_in.sizes());
 }
 
+// RoPE in one call: x (B, T, H, D) float32 rotated by cos/sin tables (B, T, D), half-split pairs
+// (dimension j with j + D/2). Per value x * cos + r * sin with r = -x[j + D/2] or x[j - D/2], two
+// products and a sum rounded as torch's operators round them (no fused multiply-add): the bits of
+// layers.apply_rope.
+at::Tensor rope_cpu(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && cos_in.scalar_type() == at::kFloat &&
+                  sin_in.scalar_type() == at::kFloat,
+              "rope: float32 tensors expected");
+  TORCH_CHECK(x_in.dim() == 4 && cos_in.dim() == 3 && sin_in.sizes() == cos_in.sizes() &&
+                  cos_in.size(0) == x_in.size(0) && cos_in.size(1) == x_in.size(1) &&
+                  cos_in.size(2) == x_in.size(3) && x_in.size(3) % 2 == 0,
+              "rope: x (B, T, H, D) and tables (B, T, D) expected, got ", x_in.sizes(), " and ", cos_in.sizes());
+  const at::Tensor x = x_in.contiguous(), c = cos_in.contiguous(), s = sin_in.contiguous();
+  const int64_t rows = x.size(0) * x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(H * D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* cr = cp + r * D;
+      const float* sr = sp + r * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* xr = xp + (r * H + h) * D;
+        float* o = op + (r * H + h) * D;
+        for (int64_t j = 0; j < half; ++j) o[j] = xr[j] * cr[j] + (-xr[j + half]) * sr[j];
+        for (int64_t j = half; j < D; ++j) o[j] = xr[j] * cr[j] + xr[j - half] * sr[j];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
+  m.impl("rope", &rope_cpu);
   m.impl("qlinear", &qlinear_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("qlinear_dense", &qlinear_dense_cpu);
