@@ -237,18 +237,38 @@ inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t
 #endif
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
       for (int r = 0; r < R; ++r) {
-        __m128i lo, hi;  // values k .. k+15, k+16 .. k+31
-        block_bytes_u8<BITS>(q + r * q_stride + k / 32 * block_bytes(BITS), lo, hi);
+        const uint8_t* block = q + r * q_stride + k / 32 * block_bytes(BITS);
 #ifdef TG_AVX512
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        __m512 w0, w1;  // values k .. k+15, k+16 .. k+31
+        if constexpr (BITS == 4) {
+          // Bytes widened first, then split: byte j's low nibble is value j, its high one j + 16.
+          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+          w0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+          w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        } else {
+          __m128i lo, hi;
+          block_bytes_u8<BITS>(block, lo, hi);
+          w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        }
         for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * x_stride + k;
           dot[m][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), dot[m][r]);
           dot[m][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), dot[m][r]);
         }
 #else
-        const __m256 w[4] = {widen_u8(lo), widen_u8(_mm_srli_si128(lo, 8)), widen_u8(hi),
-                             widen_u8(_mm_srli_si128(hi, 8))};
+        __m256 w[4];  // values k .. k+7, k+8 .. k+15, k+16 .. k+23, k+24 .. k+31
+        if constexpr (BITS == 4) {
+          const __m256i low = _mm256_set1_epi32(0x0F);
+          const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block)));
+          const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8)));
+          w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+          w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+        } else {
+          __m128i lo, hi;
+          block_bytes_u8<BITS>(block, lo, hi);
+          w[0] = widen_u8(lo), w[1] = widen_u8(_mm_srli_si128(lo, 8));
+          w[2] = widen_u8(hi), w[3] = widen_u8(_mm_srli_si128(hi, 8));
+        }
         for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * x_stride + k;
           dot[m][r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xm), dot[m][r]);
