@@ -486,3 +486,25 @@ def test_mapped_tensors_read_whatever_their_alignment(tmp_path):
         assert torch.equal(even, values) and torch.equal(loads["pad"](), torch.tensor([7], dtype=torch.uint8))
         loads["even"].release()
         assert torch.equal(loads["even"](), values)
+
+
+def test_import_leaves_the_tokenizer_and_media_libraries_for_first_use():
+    """``import torchgemma`` (all a process needs to load a model and generate from token ids)
+    imports neither the tokenizer's libraries nor PIL; the names that need them import them when
+    first read, and ``from torchgemma import ...`` works for every public name."""
+    import subprocess
+
+    code = (
+        "import sys, torchgemma\n"
+        "heavy = lambda: sorted({'tokenizers', 'jinja2', 'PIL'} & {m.split('.')[0] for m in sys.modules})\n"
+        "print(heavy())\n"
+        "from torchgemma import Tokenizer, load_tokenizer, process_images, LLM, embed, Video\n"
+        "assert set(torchgemma.__all__) <= set(dir(torchgemma))\n"
+        "assert all(getattr(torchgemma, name) is not None for name in torchgemma.__all__)\n"
+        "print(heavy())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "['PIL', 'jinja2', 'tokenizers']"]
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        torchgemma.nonexistent  # noqa: B018
