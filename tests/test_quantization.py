@@ -688,12 +688,37 @@ def test_fused_rope_is_apply_rope_to_the_bit():
     assert torch.equal(fused_rope(*half), apply_rope(*half))
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "keys", "dim"), [(4, 1, 190, 256), (8, 2, 37, 64), (2, 2, 1, 24)]
+)
+def test_decode_attention_is_the_softmax_to_rounding(heads, kv_heads, keys, dim):
+    """One query per head over every key (grouped KV heads, keys and values read through strided
+    views as the cache hands them out): the float64 softmax's result to float32 rounding, as
+    close as sdpa's own float32 result."""
+    import torch.nn.functional as F
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    gen = torch.Generator().manual_seed(heads * keys)
+    q = torch.randn(2, 1, heads, dim, generator=gen).transpose(1, 2)  # (B, H, 1, D), a view
+    ring = torch.randn(2, kv_heads, keys + 7, dim, generator=gen) * 3
+    k, v = ring[:, :, 3 : 3 + keys], ring.flip(2)[:, :, 2 : 2 + keys]  # strided, as cache slices
+    exact = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), scale=0.0625, enable_gqa=heads != kv_heads
+    ).transpose(1, 2)
+    ours = torch.ops.torchgemma.decode_attention(q, k, v, 0.0625)
+    sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.0625, enable_gqa=heads != kv_heads).transpose(1, 2)
+    assert ours.shape == (2, 1, heads, dim) and ours.dtype == torch.float32
+    tolerance = max(2e-6, 2 * (sdpa.double() - exact).abs().max().item())
+    assert (ours.double() - exact).abs().max() <= tolerance
+
+
 def test_quantized_models_fuse_their_decoder_norms_and_rope(text_checkpoints):
     """quantize() and a quantized load both fuse the text decoder's norms and rotations; a float
     model does not."""
     from torchgemma.model.layers import RMSNorm, apply_rope
-    from torchgemma.model.text import Attention
-    from torchgemma.quantization.modules import FusedRMSNorm, fused_rope
+    from torchgemma.model.text import ATTENTION, Attention
+    from torchgemma.quantization.modules import FUSED_ATTENTION, FusedRMSNorm, fused_rope
 
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())
@@ -704,5 +729,8 @@ def test_quantized_models_fuse_their_decoder_norms_and_rope(text_checkpoints):
         assert norms and set(norms) == {FusedRMSNorm}
         ropes = [m.rope for m in model.language_model.modules() if isinstance(m, Attention)]
         assert ropes and set(ropes) == {fused_rope}
+        backends = [m.backends for m in model.language_model.modules() if isinstance(m, Attention)]
+        assert all(b is FUSED_ATTENTION for b in backends)
     assert FusedRMSNorm not in {type(m) for m in plain.modules()}
     assert {m.rope for m in plain.modules() if isinstance(m, Attention)} == {apply_rope}
+    assert all(m.backends is ATTENTION for m in plain.modules() if isinstance(m, Attention))

@@ -204,8 +204,10 @@ ATTENTION = {"eager": eager_backend, "sdpa": sdpa_backend}
 
 
 class Attention(nn.Module):
-    # How queries and keys are rotated (a quantized model on the CPU swaps in one C++ call).
+    # How queries and keys are rotated, and what each backend name runs (a quantized model on the
+    # CPU swaps in C++ calls for RoPE and for one new token's attention: quantization.fuse_ops).
     rope = staticmethod(apply_rope)
+    backends = ATTENTION
 
     def __init__(self, config: TextConfig, spec: LayerSpec, backend: str):
         super().__init__()
@@ -253,7 +255,7 @@ class Attention(nn.Module):
             if spec.kv_role == "store":
                 shared_kv[spec.index] = (key, value)
 
-        out = ATTENTION[self.backend](query, key, value, inputs, self.scale)  # (B, T, H, D)
+        out = self.backends[self.backend](query, key, value, inputs, self.scale)  # (B, T, H, D)
         return self.o_proj(out.reshape(batch, length, -1))
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from ..model.text import Attention, Experts
 from .kernels import ensure_kernels, kernel_status
 from .modules import (
+    FUSED_ATTENTION,
     Format,
     FusedRMSNorm,
     QuantizedEmbedding,
@@ -145,12 +146,15 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
 
 
 def fuse_ops(model: nn.Module) -> nn.Module:
-    """Make the text decoder's RMSNorms and RoPE rotations single C++ calls, in place (a quantized
-    model on the CPU, whose decode step is otherwise a few hundred small operators):
+    """Make the text decoder's RMSNorms, RoPE rotations and decode-step attention single C++ calls,
+    in place (a quantized model on the CPU, whose decode step is otherwise a few hundred small
+    operators):
 
     * RMSNorm -> ``FusedRMSNorm``: a dozen operators fewer per norm (109 norms per token on Gemma 3
       270M); the reference norm's result to a float32 rounding, not its bits;
-    * ``apply_rope`` -> ``fused_rope``: four operators fewer per rotation, the same bits.
+    * ``apply_rope`` -> ``fused_rope``: four operators fewer per rotation, the same bits;
+    * sdpa attention of one new token over all its keys -> ``decode_attention``, one C++ call on
+      one thread per KV head (the exact softmax's result to a float32 rounding).
 
     Full-precision models and the towers keep the reference's operators and bits."""
     from ..model.layers import RMSNorm
@@ -160,6 +164,7 @@ def fuse_ops(model: nn.Module) -> nn.Module:
             module.__class__ = FusedRMSNorm
         elif isinstance(module, Attention):
             module.rope = fused_rope
+            module.backends = FUSED_ATTENTION
     return model
 
 

@@ -53,6 +53,8 @@ _LIBRARY.define("bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Ten
 _LIBRARY.define("rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor")
 # RoPE in one call (float32, CPU), the bits of layers.apply_rope: a quantized model's (fused_rope).
 _LIBRARY.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+# One new token's attention over all its keys, no mask (float32, CPU): a quantized model's decode.
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
 
 
 def packed_width(features: int, bits: int) -> int:
@@ -147,6 +149,11 @@ def _rms_norm_fake(x, weight, eps, plus_one):
 @torch.library.register_fake("torchgemma::rope")
 def _rope_fake(x, cos, sin):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("torchgemma::decode_attention")
+def _decode_attention_fake(q, k, v, scale):
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
 @torch.library.register_fake("torchgemma::dequantize")

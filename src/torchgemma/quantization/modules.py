@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..model.layers import RMSNorm, apply_rope
+from ..model.text import ATTENTION, AttentionInputs, sdpa_backend
 from . import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
@@ -344,6 +345,33 @@ def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _ROPE = torch.ops.torchgemma.rope.default
+
+
+def sdpa_with_decode_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
+) -> torch.Tensor:
+    """``sdpa_backend``, except one new token attending to every key it is given (a decode step
+    without a mask), which is one C++ call on float32 CPU tensors (``torchgemma::decode_attention``:
+    the exact softmax's result to a float32 rounding; one thread per KV head, where sdpa wakes its
+    thread pool for a few microseconds of work)."""
+    if (
+        query.shape[2] == 1
+        and inputs.mask is None
+        and inputs.rows is None
+        and query.dtype is torch.float32
+        and key.dtype is torch.float32
+        and query.device.type == "cpu"
+        and kernels.ensure_kernels()
+    ):
+        if inputs.key_slice is not None:
+            key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+        return _DECODE_ATTENTION(query, key, value, scale)
+    return sdpa_backend(query, key, value, inputs, scale)
+
+
+_DECODE_ATTENTION = torch.ops.torchgemma.decode_attention.default
+# What a quantized CPU model's attention layers run for each backend name (fuse_ops).
+FUSED_ATTENTION = {**ATTENTION, "sdpa": sdpa_with_decode_kernel}
 
 
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────
