@@ -149,6 +149,20 @@ def test_rows_of_one_length_store_as_the_indexed_path(text_checkpoints):
         indexed.commit(steps[1])
 
 
+def test_a_mask_of_any_dtype_marks_the_same_tokens(text_checkpoints):
+    """``step(valid=...)`` takes an attention mask as given: bool, int or float, nonzero is real."""
+    model = torchgemma.load(text_checkpoints["e2b"])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    steps = [
+        model.make_cache(2, 8).step([0, 1], 3, valid=mask.to(dtype))
+        for dtype in (torch.bool, torch.long, torch.float32)
+    ]
+    for step in steps:
+        assert step.counts == [2, 3] and all(type(c) is int for c in step.counts)
+        assert step.full_span == 3 and type(step.full_span) is int and step.written.dtype == torch.bool
+        assert torch.equal(step.positions, steps[0].positions) and torch.equal(step.written, steps[0].written)
+
+
 def test_cache_overflow_and_batch_mismatch_are_errors(text_checkpoints):
     model = torchgemma.load(text_checkpoints["31b"])
     cache = model.make_cache(batch_size=1, max_len=8)

@@ -302,6 +302,8 @@ class KVCache:
         slots = [int(s) for s in slots]
         for slot in slots:
             self._check_slot(slot)
+        if valid is not None:
+            valid = valid.to(device=self.device, dtype=torch.bool)  # an int or float mask: nonzero is real
         if len(set(slots)) != len(slots):
             raise ValueError(f"a call cannot append to one slot twice: slots {slots}")
         counts = [length] * len(slots) if valid is None else valid.sum(-1).tolist()
