@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import torchgemma
 from checkpoints import STYLES
@@ -234,6 +235,7 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
 _PRODUCTS = textwrap.dedent(
     """
     import sys, torch
+    from safetensors.torch import save_file
     from torchgemma.quantization import kernels
     assert kernels.ensure_kernels(), kernels.kernel_status()
     gen = torch.Generator().manual_seed(5)
@@ -250,7 +252,7 @@ _PRODUCTS = textwrap.dedent(
             for rows in (1, 2, 3, 4, 5):
                 x = torch.randn(rows, 320, generator=gen)
                 out[f"{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear(x, q, scales, offsets, bits, group)
-    torch.save(out, sys.argv[1])
+    save_file(out, sys.argv[1])
     print(kernels.kernel_status())
     """
 )
@@ -265,13 +267,13 @@ def test_avx512_build_gives_the_avx2_builds_bits(tmp_path):
     runs = {}
     for capability in ("avx512", "avx2"):
         env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-        path = tmp_path / f"{capability}.pt"
+        path = tmp_path / f"{capability}.safetensors"
         done = subprocess.run(
             [sys.executable, "-c", _PRODUCTS, str(path)], env=env, capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, done.stderr
         assert ("-mavx512f" in done.stdout) == (capability == "avx512"), done.stdout
-        runs[capability] = torch.load(path)
+        runs[capability] = load_file(path)
     assert runs["avx512"].keys() == runs["avx2"].keys()
     for case, values in runs["avx512"].items():
         assert torch.equal(values, runs["avx2"][case]), case

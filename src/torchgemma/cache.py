@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -66,7 +67,7 @@ class CacheStep:
     counts: list[int] | None = None
     starts: list[int] | None = None
 
-    @property
+    @cached_property
     def common_start(self) -> int | None:
         """The length before the call when the rows are a range of slots that all hold that many
         tokens and store every token of the call (a batch-1 decode step, always): the call's keys
@@ -162,9 +163,10 @@ class SlidingLayerCache:
             start, length = step.common_start, key.shape[2]
             if start is not None and length <= self.ring:
                 # Every token stored, at (at most) two slices of ring columns.
-                head = min(length, self.ring - start % self.ring)
+                column = start % self.ring
+                head = min(length, self.ring - column)
                 for buffer, new in ((self.keys, key), (self.values, value)):
-                    buffer[rows, :, start % self.ring : start % self.ring + head] = new[:, :, :head]
+                    buffer[rows, :, column : column + head] = new[:, :, :head]
                     if head < length:
                         buffer[rows, :, : length - head] = new[:, :, head:]
             else:

@@ -11,7 +11,8 @@ scales and mins are float32 or float16 (both the same), the values they hold alw
 
 Every device gets a pure-PyTorch kernel (dequantize, then ``F.linear``): correct everywhere, but it
 reads float32 weights, so it is no faster than the unquantized model. On the CPU the C++ kernels
-(``csrc/qlinear.cpp``: AVX2/FMA where the CPU has them, portable loops otherwise) read only the
+(``csrc/qlinear.cpp``: AVX2/FMA where the CPU has them, with AVX-512 where it has that too, the
+same bits; portable loops otherwise) read only the
 quantized bytes. They are built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja; about a minute, cached under ``~/.cache/torch_extensions``). Without a compiler the
 pure-PyTorch kernel is used and ``kernel_status()`` says why.
@@ -178,11 +179,10 @@ _built = False
 def _cpu_flags() -> list[str]:
     """Compiler flags for the instruction sets this CPU has (the build is cached per flag set)."""
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX512":  # ATen's test: AVX-512 F, BW, VL and DQ
-        return ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    if capability == "AVX2":
-        return ["-mavx2", "-mfma", "-mf16c"]
-    return []
+        return avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    return avx2 if capability == "AVX2" else []
 
 
 def _compiler() -> str | None:

@@ -446,14 +446,20 @@ void dispatch(int64_t bits, const at::Tensor& scales, F&& f) {
   return with_bits(float{});
 }
 
+// A product's checked inputs: x (..., K) as float32 rows (M, K), for a weight of K features.
+at::Tensor product_rows(const char* op, const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, mins, bits, group, K);
+  TORCH_CHECK(x_in.size(-1) == K, op, ": input has ", x_in.size(-1), " features, the weight takes ", K);
+  return x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+}
+
 // x (M, K) float32 -> (M, N) float32.
 at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, mins, bits, group, K);
-  TORCH_CHECK(x_in.size(-1) == K, "qlinear: input has ", x_in.size(-1), " features, the weight takes ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), N = qweight.size(0), groups = K / group;
+  const at::Tensor x = product_rows("qlinear", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), groups = K / group;
   at::Tensor out = at::empty({M, N}, x.options());
 
   // Offsets enter as min_g * sum(x over group g): those sums are computed once per call.
@@ -568,11 +574,8 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, c
 // without the whole float32 weight in memory (a 6144 x 1536 layer would be 38 MB per call).
 at::Tensor qlinear_dense_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, mins, bits, group, K);
-  TORCH_CHECK(x_in.size(-1) == K, "qlinear_dense: input has ", x_in.size(-1), " features, the weight takes ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), N = qweight.size(0);
+  const at::Tensor x = product_rows("qlinear_dense", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   // Slabs of ~1 MB of float32 (a core's L2), at least 64 rows so that each product stays a GEMM.
   const int64_t slab = std::min<int64_t>(N, std::max<int64_t>(64, (1 << 18) / std::max<int64_t>(K, 1)));
@@ -688,16 +691,14 @@ inline float approx_row(const uint8_t* q, const S* scales, int64_t K, int64_t G,
 std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
                                                       const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                       int64_t bits, int64_t group, const at::Tensor& row_norms) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, mins, bits, group, K);
+  const at::Tensor x = product_rows("qlinear_bounds", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1);
   TORCH_CHECK(bits == 8 || bits == 4, "qlinear_bounds: bits must be 8 or 4, got ", bits);
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0, "qlinear_bounds: needs groups of a multiple of 32 values");
-  TORCH_CHECK(x_in.size(-1) == K, "qlinear_bounds: input has ", x_in.size(-1), " features, the weight takes ", K);
   const int64_t N = qweight.size(0), groups = K / group;
   TORCH_CHECK(row_norms.scalar_type() == at::kFloat && row_norms.dim() == 1 && row_norms.size(0) == N &&
                   row_norms.is_contiguous(),
               "qlinear_bounds: row_norms must be float32 (", N, ")");
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor approx = at::empty({M, N}, x.options()), bound = at::empty({M, N}, x.options());
   const std::vector<float> xsum = mins ? group_sums(x, group) : std::vector<float>();
