@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -67,11 +66,13 @@ class CacheStep:
     counts: list[int] | None = None
     starts: list[int] | None = None
 
-    @cached_property
+    @property
     def common_start(self) -> int | None:
         """The length before the call when the rows are a range of slots that all hold that many
         tokens and store every token of the call (a batch-1 decode step, always): the call's keys
         then go to the same columns of every row, written as slices, without index tensors."""
+        # (A plain property, not cached_property: a compiled decode step traces it, and dynamo
+        # cannot trace cached_property's lock.)
         starts = self.starts
         if self.row_slice is None or starts is None or self.written is not None or self.active is not None:
             return None
