@@ -2,8 +2,9 @@
 weight mode, transformers and llama.cpp, in one run.
 
 * torchgemma ``gguf``: the file's own blocks (``load(..., quantize="gguf")``, the gemma3-270m
-  default), multiplied by the C++ kernels; ``int8`` / ``int4``: round-to-nearest of the dequantized
-  weights; ``fp32``: the file dequantized to float32;
+  default), multiplied by the C++ kernels; ``gguf+i8``: the same with int8 prefill activations
+  (``activations="int8"``, llama.cpp's arithmetic for products of 16 rows or more); ``int8`` /
+  ``int4``: round-to-nearest of the dequantized weights; ``fp32``: the file dequantized to float32;
 * transformers 5.23: the same file through its GGUF loader (float32), default attention (sdpa);
 * llama.cpp through llama-cpp-python, when installed (built from source, see benchmarks/README.md):
   the Q4_K_M weights as they are, the same thread count.
@@ -49,8 +50,14 @@ PROMPT = (
     "side, and every summer a festival fills the squares with music. Visitors who want to understand "
     "the place should start"
 )
-# torchgemma's weight modes: load(..., quantize=...), and the group size for round-to-nearest modes.
-MODES = {"gguf": ("gguf", None), "int8": ("int8", None), "int4": ("int4", 32), "fp32": (None, None)}
+# torchgemma's modes, name: (quantize, group size for torchgemma.quantize or None to quantize while loading, activations)
+MODES = {
+    "gguf": ("gguf", None, None),
+    "gguf+i8": ("gguf", None, "int8"),
+    "int8": ("int8", None, None),
+    "int4": ("int4", 32, None),
+    "fp32": (None, None, None),
+}
 TRANSFORMERS = "transformers (fp32)"
 LLAMA = "llama.cpp (Q4_K_M)"
 
@@ -72,9 +79,9 @@ def build(name: str, threads: int):
     path = gemma3_270m()
     ids = torchgemma.load_tokenizer("gemma3-270m").encode(PROMPT)
     if name.startswith("torchgemma"):
-        mode, group = MODES[name.split()[1]]
+        mode, group, activations = MODES[name.split()[1]]
         if group is None:
-            model = torchgemma.load(path, quantize=mode, progress=False)
+            model = torchgemma.load(path, quantize=mode, progress=False, activations=activations)
         else:
             model = torchgemma.quantize(
                 torchgemma.load(path, quantize=None, progress=False), mode, group_size=group
@@ -151,9 +158,9 @@ def peak_rss(name: str, threads: int, new_tokens: int) -> float:
         )
         return _high_water(code)
     if name.startswith("torchgemma"):  # torchgemma alone: no benchmark helpers, no transformers
-        mode, group = MODES[name.split()[1]]
+        mode, group, activations = MODES[name.split()[1]]
         load = (
-            f"torchgemma.load(path, quantize={mode!r}, progress=False)"
+            f"torchgemma.load(path, quantize={mode!r}, progress=False, activations={activations!r})"
             if group is None
             else f"torchgemma.quantize(torchgemma.load(path, quantize=None, progress=False), {mode!r}, group_size={group})"
         )

@@ -272,6 +272,24 @@ def test_threads_flag_sets_torch_threads(llm_checkpoint, capsys):  # noqa: F811
     assert "1 thread" in help_text and "2 threads" in help_text and "tok/s" in help_text
 
 
+def test_activations_flag_reaches_the_loader(monkeypatch, capsys):
+    """--activations int8 asks LLM (and so torchgemma.load) for int8 prefill activations; the
+    default keeps the model's dtype."""
+    seen = []
+
+    def fake_llm(*args, **kwargs):
+        seen.append(kwargs.get("activations", "missing"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("torchgemma.llm.LLM", fake_llm)
+    for flags in (["--activations", "int8"], []):
+        main(["generate", "--model", "never-loaded", *flags, PROMPT])
+    assert seen == ["int8", None]
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--activations {float,int8}" in capsys.readouterr().out
+
+
 def test_device_auto_is_cuda_when_there_is_one(monkeypatch, capsys):
     from torchgemma.cli import CLIError
 

@@ -118,7 +118,8 @@ class LLM:
     Videos keep ``video_num_frames`` frames of ``video_soft_tokens`` soft tokens each: the processor
     config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
     ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
-    blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None).
+    blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in ``torchgemma.load``
+    (``"int8"``: faster prefill of a quantized model on the CPU, int8-rounded activations).
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class LLM:
         max_soft_tokens: int | None = None,
         progress: bool = True,
         quantize: str | None = "auto",
+        activations: str | None = None,
     ) -> None:
         if quantize == "auto":
             quantize = auto_quantization(source)
@@ -139,7 +141,13 @@ class LLM:
         # Gemma 3n: chat templates with the audio placeholder expanded, by template (chat_template_for).
         self._expanded_templates: dict[str, str] = {}
         self.model = load(
-            folder, dtype=dtype, device=device, attention=attention, progress=progress, quantize=quantize
+            folder,
+            dtype=dtype,
+            device=device,
+            attention=attention,
+            progress=progress,
+            quantize=quantize,
+            activations=activations,
         )
         self.tokenizer = load_tokenizer(folder)
         self.max_soft_tokens = max_soft_tokens or _image_soft_tokens(folder)

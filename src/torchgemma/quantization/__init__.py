@@ -5,7 +5,9 @@
 
 What is quantized: the text decoder's linear layers, its token table (which is also the tied LM
 head, about half the bytes of a small model), the per-layer-embedding table and the stacked weights
-of the experts. What is not: norms, the MoE router, soft-caps, the vision and audio towers. Activations stay in the model's dtype; products accumulate in float32.
+of the experts. What is not: norms, the MoE router, soft-caps, the vision and audio towers.
+Activations stay in the model's dtype (unless int8 activations are asked for, below); products
+accumulate in float32.
 
 Modes (``MODES``):
 
@@ -17,6 +19,11 @@ Modes (``MODES``):
 * ``"gguf"``: only when loading a GGUF file: each tensor keeps its file precision (Q8_0, Q5_x, Q6_K
   as 8-bit groups; Q4_0, Q4_1, Q4_K as 4-bit groups; scales float16 where that is exact), the values
   equal to its dequantization.
+
+Int8 activations (``set_activations(model, "int8")``, ``load(..., activations="int8")``): products of
+16 rows or more (a prompt's prefill, not a decode step) round their activations to int8 per 32 values
+(llama.cpp's scheme) and multiply integers, about 2.5x the float32 products' speed where the CPU has
+AVX-512 VNNI, for a small loss of accuracy (benchmarks/README.md measures it).
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ from .modules import (
 )
 
 MODES = ("int8", "int4", "gguf")
+ACTIVATIONS = (None, "int8")
 
 __all__ = [
+    "ACTIVATIONS",
     "MODES",
     "choose_formats",
     "record",
@@ -61,6 +70,7 @@ __all__ = [
     "quantize_rtn",
     "quantized_shell",
     "replace_module",
+    "set_activations",
 ]
 
 
@@ -142,6 +152,30 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
     if chosen and model_device(model).type == "cpu":
         ensure_kernels()
         fuse_ops(model)
+    return model
+
+
+def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
+    """How the quantized products of 16 rows or more (prefill) take their activations, in place:
+    ``"int8"`` rounds them to int8 per 32 values and multiplies integers (``torchgemma::qlinear_i8``:
+    llama.cpp's arithmetic, ~2.5x faster prefill on CPUs with AVX-512 VNNI, slower elsewhere); None
+    keeps them in the model's dtype (the default). Decode steps (fewer rows) are not affected. A weight
+    whose groups do not split into spans of 32 values (or divide 32) keeps float activations."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; use 'int8' or None")
+    weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    if activations is not None and not weights:
+        raise ValueError(
+            f'activations="{activations}" needs a quantized model (quantize="gguf", "int8" or "int4")'
+        )
+    if activations is not None and model_device(model).type != "cpu":
+        raise ValueError(
+            f'activations="{activations}" runs on the CPU kernels; the model is on {model_device(model)}'
+        )
+    for module in weights:
+        group, features = module.format.group_size, module.weight_shape[-1]
+        spans = group % 32 == 0 or 32 % group == 0
+        module.int8_activations = activations == "int8" and spans and features % 32 == 0
     return model
 
 

@@ -42,6 +42,11 @@ _LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bit
 _LIBRARY.define(
     "qlinear_dense(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
 )
+# x @ W.T with x rounded to int8 per 32 values (llama.cpp's scheme): an opt-in for calls of many rows
+# (QuantizedWeight.int8_activations; csrc/qlinear.cpp defines the arithmetic).
+_LIBRARY.define(
+    "qlinear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
+)
 # The greedy head's two helpers (CPU kernels only; see QuantizedWeight.argmax): scores of every row
 # with int8-rounded activations and a bound on their distance from qlinear's, and the rows' norms.
 _LIBRARY.define(
@@ -114,6 +119,40 @@ def _qlinear_reference(x, qweight, scales, mins, bits: int, group_size: int) -> 
     return F.linear(x.to(torch.float32), _dequantize_reference(qweight, scales, mins, bits, group_size))
 
 
+def round_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float32 -> (xq (..., K) int8, d (..., K / 32) float32) with x ~ d * xq per 32 values:
+    d = max |x| / 127 over the block, xq = x / d rounded to nearest (ties to even)."""
+    blocks = x.to(torch.float32).unflatten(-1, (-1, 32))
+    d = blocks.abs().amax(-1) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    xq = torch.where(d[..., None] > 0, torch.round(blocks / safe[..., None]), 0.0).clamp(-127, 127)
+    return xq.flatten(-2).to(torch.int8), d
+
+
+def _qlinear_i8_reference(x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
+    """qlinear_i8's arithmetic in float64 (csrc/qlinear.cpp): each span's integer sums are exact, the
+    scales applied in float64, so this differs from the C++ kernels by their float32 rounding."""
+    k = _check(qweight, scales, mins, bits, group_size)
+    span = 32 if group_size % 32 == 0 else group_size
+    if k % 32 or 32 % span:
+        raise ValueError(f"qlinear_i8: groups of {group_size} over {k} features have no spans")
+    rows = x.reshape(-1, k).to(torch.float32)
+    xq, d = round_to_int8(rows)
+    q = unpack(qweight, bits).to(torch.float64).unflatten(-1, (-1, span))  # (N, S, F)
+    xs = xq.to(torch.float64).unflatten(-1, (-1, span))  # (M, S, F)
+    dots = torch.einsum("msf,nsf->mns", xs, q)  # exact: integers far below 2^53
+    group_of_span = torch.arange(k // span) * span // group_size
+    s = scales.to(torch.float64)[:, group_of_span]  # (N, S)
+    terms = dots * s
+    if mins is not None:
+        terms = terms + xs.sum(-1)[:, None, :] * mins.to(torch.float64)[:, group_of_span]
+    d_span = d.to(torch.float64)[:, torch.arange(k // span) * span // 32]  # (M, S)
+    out = (terms * d_span[:, None, :]).sum(-1)
+    finite = torch.isfinite(rows).all(-1, keepdim=True)
+    out = torch.where(finite, out, torch.nan).to(torch.float32)
+    return out.view(*x.shape[:-1], qweight.shape[0])
+
+
 def _check(qweight, scales, mins, bits: int, group_size: int) -> int:
     if bits not in (4, 5, 8):
         raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
@@ -142,6 +181,11 @@ def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
     return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
 
 
+@torch.library.register_fake("torchgemma::qlinear_i8")
+def _qlinear_i8_fake(x, qweight, scales, mins, bits, group_size):
+    return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
+
+
 @torch.library.register_fake("torchgemma::rms_norm")
 def _rms_norm_fake(x, weight, eps, plus_one):
     return torch.empty_like(x)
@@ -167,6 +211,7 @@ def _dequantize_fake(qweight, scales, mins, bits, group_size):
 _LIBRARY.impl("qlinear", _qlinear_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("dequantize", _dequantize_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("qlinear_dense", _qlinear_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("qlinear_i8", _qlinear_i8_reference, "CompositeExplicitAutograd")
 
 
 # ── building the C++ kernels ───────────────────────────────────────────────────────────────────

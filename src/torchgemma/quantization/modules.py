@@ -25,7 +25,8 @@ from . import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
 # time (qlinear_dense): from here on it beats re-reading the integers row block by row block
-# (measured on AVX2).
+# (measured on AVX2). With int8 activations (QuantizedWeight.int8_activations) these calls round
+# their activations to int8 instead (qlinear_i8); calls of fewer rows (a decode step) never do.
 DENSE_ROWS = 16
 
 
@@ -65,6 +66,9 @@ SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 class QuantizedWeight(nn.Module):
     """The buffers of one quantized (N, K) weight and the two ways to use them."""
 
+    # Products of DENSE_ROWS rows or more round x to int8 per 32 values (set_activations).
+    int8_activations = False
+
     def __init__(self, rows: int, features: int, fmt: Format, dtype: torch.dtype):
         super().__init__()
         fmt.check(features)
@@ -103,7 +107,10 @@ class QuantizedWeight(nn.Module):
         buffers = self._buffers
         args = (x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size)
         if x.numel() >= DENSE_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
-            out = torch.ops.torchgemma.qlinear_dense.default(*args)
+            if self.int8_activations:
+                out = torch.ops.torchgemma.qlinear_i8.default(*args)
+            else:
+                out = torch.ops.torchgemma.qlinear_dense.default(*args)
         else:
             out = torch.ops.torchgemma.qlinear.default(*args)
         dtype = self._out_dtype(x)

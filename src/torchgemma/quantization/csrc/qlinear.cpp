@@ -615,9 +615,31 @@ at::Tensor qlinear_dense_cpu(const at::Tensor& x_in, const at::Tensor& qweight, 
 
 constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24, float32's unit roundoff
 
-// x (K) -> xq (K, int8), d (K / 32): x[k] ~ d[k / 32] * xq[k]. Returns ||x - d xq||, ||x||, ||d xq||.
-std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
-  double err = 0, norm = 0, approx = 0;
+// x (K) -> xq (K, int8), d (K / 32): x[k] ~ d[k / 32] * xq[k] (d = max |x| / 127 over the block,
+// xq = x / d rounded to nearest, ties to even).
+void round_to_int8(const float* x, int64_t K, int8_t* xq, float* d) {
+#ifdef TG_AVX512
+  // The same operations 16 values at a time (a division, and vcvtps2dq's round to nearest even: lrint's
+  // rounding in the default mode), so the same bytes.
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float scale = amax / 127.f;
+    d[b] = scale;
+    if (!(scale > 0.f)) {
+      std::memset(xq + b * 32, 0, 32);
+      continue;
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x0, sv))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x1, sv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+  }
+  return;
+#endif
   for (int64_t b = 0; b < K / 32; ++b) {
     float amax = 0.f;
     for (int64_t k = b * 32; k < (b + 1) * 32; ++k) amax = std::max(amax, std::fabs(x[k]));
@@ -626,11 +648,19 @@ std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq
     for (int64_t k = b * 32; k < (b + 1) * 32; ++k) {
       const long v = scale > 0.f ? std::lrint(x[k] / scale) : 0;
       xq[k] = static_cast<int8_t>(std::max(-127L, std::min(127L, v)));
-      const double back = static_cast<double>(scale) * xq[k];
-      err += (x[k] - back) * (x[k] - back);
-      norm += static_cast<double>(x[k]) * x[k];
-      approx += back * back;
     }
+  }
+}
+
+// round_to_int8, and ||x - d xq||, ||x||, ||d xq||.
+std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
+  round_to_int8(x, K, xq, d);
+  double err = 0, norm = 0, approx = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double back = static_cast<double>(d[k / 32]) * xq[k];
+    err += (x[k] - back) * (x[k] - back);
+    norm += static_cast<double>(x[k]) * x[k];
+    approx += back * back;
   }
   return {std::sqrt(err), std::sqrt(norm), std::sqrt(approx)};
 }
@@ -747,6 +777,308 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
   return {approx.view(shape), bound.view(shape)};
 }
 
+// ── Products with int8 activations (qlinear_i8, an opt-in for calls of many rows) ─────────────
+//
+// qlinear_i8 rounds each row of x to int8 per block of 32 values, as quantize_activations above
+// (d = max|x| / 127, xq = round(x / d)), then multiplies integers. Per "span" of F values (F = the
+// weight's group size, or 32 if the group is longer: one activation scale and one weight scale over
+// it), with q' = q + off the weight's integers made unsigned (off = 128 for 8 bits, 0 for 4 and 5):
+//
+//     I = sum q'[n, k] xq[m, k]   X = sum xq[m, k]                       (int32, exact)
+//     t = float(I - off X) * s[n, g]      then  t = fma(min[n, g], float(X), t)  if mins
+//     out[m, n] = fma(t, d[m, k / 32], out[m, n])                         span after span
+//
+// The float operations are these, in this order, for every (m, n), so every build gives the same bits.
+// This is what llama.cpp's CPU products do (its activations are Q8_0/Q8_K blocks): about 3x the
+// float32 BLAS's speed where the CPU has AVX-512 VNNI (vpdpbusd: 64 byte products per instruction),
+// at the cost of the activations' rounding (benchmarks/README: perplexity and greedy agreement).
+//
+// For VNNI the weights of 16 rows are interleaved four bytes at a time (one 64-byte load holds
+// values k..k+3 of each row), a slab of rows at a time, in each thread's own buffer.
+
+#ifndef TG_I8_MT
+#define TG_I8_MT 4
+#endif
+#ifndef TG_I8_RV
+#define TG_I8_RV 2
+#endif
+constexpr int64_t kI8Rows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
+
+// A span's length for a weight group G (0: no span fits, G neither divides 32 nor is a multiple).
+inline int64_t i8_span(int64_t G) { return G % 32 == 0 ? 32 : (32 % G == 0 ? G : 0); }
+
+#ifdef TG_AVX512
+// 16 rows of 16 dwords (at src + r * stride) -> dst[j * 16 + r] = row r's dword j: the 16 x 16 transpose,
+// in registers (pairs of dwords, then of qwords, then of 128-bit lanes, twice).
+inline void transpose_dwords16(const uint8_t* src, int64_t stride, uint8_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(src + i * stride));
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] holds, in each 128-bit lane L, dword 4L + b' of rows 4a..4a+3 (b' = 0, 1, 2, 3 for
+  // b = 0, 1, 2, 3). Gather lanes across the four groups a.
+  for (int b = 0; b < 4; ++b) {
+    const __m512i a01lo = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);   // lanes 0,1 of a=0 | lanes 0,1 of a=1
+    const __m512i a01hi = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xEE);   // lanes 2,3 of a=0 | lanes 2,3 of a=1
+    const __m512i a23lo = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+    const __m512i a23hi = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xEE);
+    // dword 4L + b of all 16 rows: lane L of a = 0, 1, 2, 3 in order
+    t[b] = _mm512_shuffle_i32x4(a01lo, a23lo, 0x88);       // L = 0
+    t[4 + b] = _mm512_shuffle_i32x4(a01lo, a23lo, 0xDD);   // L = 1
+    t[8 + b] = _mm512_shuffle_i32x4(a01hi, a23hi, 0x88);   // L = 2
+    t[12 + b] = _mm512_shuffle_i32x4(a01hi, a23hi, 0xDD);  // L = 3
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(reinterpret_cast<void*>(dst + j * 64), t[j]);
+}
+#endif
+
+// Rows n0..n0 + 16 of the weight as unsigned bytes interleaved by four (rows past N are zero), and their
+// scales and mins per group as float32 (16 per group).
+template <int BITS, typename S>
+void pack_i8_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
+                  int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
+  const int64_t groups = K / G;
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(kI8Rows * K);
+  for (int64_t r = 0; r < kI8Rows; ++r) {
+    const int64_t n = n0 + r;
+    uint8_t* row = buffer.data() + r * K;
+    if (n < N) {
+      const uint8_t* q = qp + n * row_bytes;
+      if constexpr (BITS == 8) {
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<uint8_t>(q[k] ^ 0x80);  // q + 128
+      } else {
+        for (int64_t b = 0; b < K / 32; ++b) {
+#ifdef TG_AVX2
+          __m128i lo, hi;
+          block_bytes_u8<BITS>(q + b * block_bytes(BITS), lo, hi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32), lo);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32 + 16), hi);
+#else
+          for (int64_t k = b * 32; k < (b + 1) * 32; ++k) row[k] = static_cast<uint8_t>(q_at<BITS>(q, k));
+#endif
+        }
+      }
+    } else {
+      std::memset(row, 0, K);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      spack[g * kI8Rows + r] = n < N ? to_float(sp[n * groups + g]) : 0.f;
+      if (mpack) mpack[g * kI8Rows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
+    }
+  }
+  int64_t k = 0;
+#ifdef TG_AVX512
+  for (; k + 64 <= K; k += 64) transpose_dwords16(buffer.data() + k, K, wpack + k * kI8Rows);
+#endif
+  for (; k < K; k += 4)
+    for (int64_t r = 0; r < kI8Rows; ++r) std::memcpy(wpack + k * kI8Rows + r * 4, buffer.data() + r * K + k, 4);
+}
+
+// The activations' rounding: xq (M, K), d (M, K / 32), and the span sums X (M, K / F).
+struct I8Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+};
+
+// One interleaved group of 16 rows against activation rows m0..m0 + count, portable: out[m][r].
+void i8_group_portable(const uint8_t* wpack, const float* spack, const float* mpack, const I8Activations& a,
+                       int64_t K, int64_t G, int64_t F, int off, int64_t m0, int64_t count, float* out,
+                       int64_t out_stride, int64_t valid) {
+  const int64_t spans = K / F;
+  for (int64_t m = m0; m < m0 + count; ++m) {
+    const int8_t* xq = a.xq.data() + m * K;
+    float acc[kI8Rows] = {};
+    for (int64_t s = 0; s < spans; ++s) {
+      const int32_t X = a.sums[m * spans + s];
+      const float dm = a.d[m * (K / 32) + s * F / 32];
+      const int64_t g = s * F / G;
+      for (int64_t r = 0; r < kI8Rows; ++r) {
+        int32_t I = 0;
+        for (int64_t k = s * F; k < (s + 1) * F; ++k) I += wpack[(k / 4) * 64 + r * 4 + k % 4] * xq[k];
+        float t = static_cast<float>(I - off * X) * spack[g * kI8Rows + r];
+        if (mpack) t = std::fma(mpack[g * kI8Rows + r], static_cast<float>(X), t);
+        acc[r] = std::fma(t, dm, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < valid; ++r) out[(m - m0) * out_stride + r] = acc[r];
+  }
+}
+
+#if defined(TG_AVX512) && defined(__GNUC__)
+#define TG_VNNI 1
+// MT activation rows times RV interleaved groups (16 rows each): int32 sums per span in registers,
+// then the span's float step. Built for VNNI whatever the build's flags; called only where the CPU
+// has it (__builtin_cpu_supports).
+template <int MT, int RV, bool MINS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void i8_tile_vnni(
+    const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
+    const I8Activations& a, int64_t K, int64_t G, int64_t F, int off, int64_t m0, float* out, int64_t out_stride,
+    int64_t valid) {
+  const int64_t spans = K / F, dstride = K / 32;
+  __m512 acc[MT][RV];
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < RV; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int8_t* xq = a.xq.data() + m0 * K;
+  for (int64_t s = 0; s < spans; ++s) {
+    __m512i isum[MT][RV];
+    for (int t = 0; t < MT; ++t)
+      for (int r = 0; r < RV; ++r) isum[t][r] = _mm512_setzero_si512();
+    for (int64_t k = s * F; k < (s + 1) * F; k += 4) {
+      __m512i w[RV];
+      for (int r = 0; r < RV; ++r)
+        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * kI8Rows));
+      for (int t = 0; t < MT; ++t) {
+        int32_t four;
+        std::memcpy(&four, xq + t * K + k, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int r = 0; r < RV; ++r) isum[t][r] = _mm512_dpbusd_epi32(isum[t][r], w[r], xb);
+      }
+    }
+    const int64_t g = s * F / G;
+    __m512 sc[RV], mn[RV];
+    for (int r = 0; r < RV; ++r) {
+      sc[r] = _mm512_loadu_ps(spack + r * sstride + g * kI8Rows);
+      if constexpr (MINS) mn[r] = _mm512_loadu_ps(mpack + r * sstride + g * kI8Rows);
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int32_t X = a.sums[(m0 + t) * spans + s];
+      const __m512i offX = _mm512_set1_epi32(off * X);
+      const __m512 Xf = _mm512_set1_ps(static_cast<float>(X));
+      const __m512 dm = _mm512_set1_ps(a.d[(m0 + t) * dstride + s * F / 32]);
+      for (int r = 0; r < RV; ++r) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t][r], offX)), sc[r]);
+        if constexpr (MINS) v = _mm512_fmadd_ps(mn[r], Xf, v);
+        acc[t][r] = _mm512_fmadd_ps(v, dm, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < RV; ++r) {
+      const int64_t lanes = std::min<int64_t>(kI8Rows, valid - r * kI8Rows);
+      if (lanes <= 0) continue;
+      _mm512_mask_storeu_ps(out + t * out_stride + r * kI8Rows, static_cast<__mmask16>((1u << lanes) - 1u),
+                            acc[t][r]);
+    }
+}
+
+template <int RV, bool MINS>
+void i8_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
+                  const I8Activations& a, int64_t M, int64_t K, int64_t G, int64_t F, int off, float* out,
+                  int64_t out_stride, int64_t valid) {
+  int64_t m = 0;
+  for (; m + TG_I8_MT <= M; m += TG_I8_MT)
+    i8_tile_vnni<TG_I8_MT, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m, out + m * out_stride,
+                              out_stride, valid);
+  for (; m < M; ++m)
+    i8_tile_vnni<1, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m, out + m * out_stride,
+                              out_stride, valid);
+}
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return has;
+}
+#endif
+
+// x (M, K) float32 -> (M, N) float32, x rounded to int8 (see above).
+at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  const at::Tensor x = product_rows("qlinear_i8", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
+  const int64_t F = i8_span(group);
+  TORCH_CHECK(F > 0 && K % 32 == 0, "qlinear_i8: needs groups that divide 32 values or are a multiple of them, ",
+              "and a multiple of 32 features; got groups of ", group, " over ", K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  I8Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<int32_t>(M * K / F)};
+  const float* xp = x.data_ptr<float>();
+  std::vector<char> bad(M, 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = xp + m * K;
+      if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+        bad[m] = 1;  // no int8 rounding of inf or NaN: the row's products are NaN (below)
+        std::fill(a.xq.begin() + m * K, a.xq.begin() + (m + 1) * K, static_cast<int8_t>(0));
+        std::fill(a.d.begin() + m * (K / 32), a.d.begin() + (m + 1) * (K / 32), 0.f);
+      } else {
+        round_to_int8(xm, K, a.xq.data() + m * K, a.d.data() + m * (K / 32));
+      }
+      const int8_t* xq = a.xq.data() + m * K;
+      for (int64_t s = 0; s < K / F; ++s) {
+        int32_t X = 0;
+        for (int64_t k = s * F; k < (s + 1) * F; ++k) X += xq[k];
+        a.sums[m * (K / F) + s] = X;
+      }
+    }
+  });
+  const int off = bits == 8 ? 128 : 0;
+  const int64_t groups = K / group, wstride = K * kI8Rows, sstride = groups * kI8Rows;
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+    float* op = out.data_ptr<float>();
+    // Two interleaved groups (32 rows) per task: their bytes (~20-64 KB) stay in L1/L2 while every
+    // activation row passes over them.
+    constexpr int64_t kGroups = TG_I8_RV;
+    const int64_t slabs = (N + kGroups * kI8Rows - 1) / (kGroups * kI8Rows);
+    at::parallel_for(0, slabs, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint8_t> wpack(kGroups * wstride);
+      std::vector<float> spack(kGroups * sstride), mpack(mp ? kGroups * sstride : 0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kGroups * kI8Rows;
+        const int64_t valid = std::min<int64_t>(kGroups * kI8Rows, N - n0);
+        const int64_t used = (valid + kI8Rows - 1) / kI8Rows;
+        for (int64_t j = 0; j < used; ++j)
+          pack_i8_rows<BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kI8Rows, wpack.data() + j * wstride,
+                             spack.data() + j * sstride, mp ? mpack.data() + j * sstride : nullptr);
+        const float* mpk = mp ? mpack.data() : nullptr;
+#ifdef TG_VNNI
+        if (cpu_has_vnni()) {
+          auto run = [&](auto rv, int64_t j, int64_t rows) {
+            constexpr int RV = decltype(rv)::value;
+            const float* mj = mp ? mpk + j * sstride : nullptr;
+            if (mp)
+              i8_rows_vnni<RV, true>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj, sstride,
+                                     a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+            else
+              i8_rows_vnni<RV, false>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj, sstride,
+                                      a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+          };
+          if (used == kGroups) {
+            run(std::integral_constant<int, kGroups>{}, 0, valid);
+          } else {  // the last rows: a group at a time
+            for (int64_t j = 0; j < used; ++j)
+              run(std::integral_constant<int, 1>{}, j, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
+          }
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < used; ++j)
+          i8_group_portable(wpack.data() + j * wstride, spack.data() + j * sstride,
+                            mp ? mpack.data() + j * sstride : nullptr, a, K, group, F, off, 0, M,
+                            op + n0 + j * kI8Rows, N, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
+      }
+    });
+  });
+  for (int64_t m = 0; m < M; ++m)
+    if (bad[m]) out[m].fill_(std::numeric_limits<float>::quiet_NaN());
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
 // The rows that may hold each row's maximum: n with approx + bound >= max over n' of approx - bound
 // (float32 sums, as the caller would form them; the bound's slack covers their rounding). Returns the
 // indices, row after row, ascending, and how many each row has.
@@ -824,9 +1156,10 @@ at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, in
 // ── RMSNorm in one call ──────────────────────────────────────────────────────────────────────
 //
 // x * (mean(x^2) + eps)^-1/2 * scale over the last dimension, float32, with scale = weight, 1 + weight
-// (Gemma 1-3) or 1 (no weight). The mean is accumulated in double and rounded once, so the result is
-// the reference's to a float32 rounding, not its bits (its float32 sum has its own order): a
-// quantized model uses it in place of a dozen small operators per norm.
+// (Gemma 1-3) or 1 (no weight). The mean is accumulated in double (eight interleaved sums, then added
+// in a fixed order: one serial chain of K additions was ~0.6 us of a 640-value norm) and rounded
+// once, so the result is the reference's to a float32 rounding, not its bits (its float32 sum has
+// its own order): a quantized model uses it in place of a dozen small operators per norm.
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>& weight, double eps,
                         bool plus_one) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "rms_norm: float32 input expected, got ", x_in.scalar_type());
@@ -851,8 +1184,12 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>&
     for (int64_t m = m0; m < m1; ++m) {
       const float* row = xp + m * K;
       float* dst = op + m * K;
-      double squares = 0;
-      for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(row[k]) * row[k];
+      double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int j = 0; j < 8; ++j) part[j] += static_cast<double>(row[k + j]) * row[k + j];
+      for (; k < K; ++k) part[k % 8] += static_cast<double>(row[k]) * row[k];
+      const double squares = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
       const float r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(static_cast<float>(squares / K)) + eps));
       if (sp) {
         for (int64_t k = 0; k < K; ++k) dst[k] = row[k] * r * sp[k];
@@ -1075,6 +1412,7 @@ TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
   m.impl("qlinear", &qlinear_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("qlinear_dense", &qlinear_dense_cpu);
+  m.impl("qlinear_i8", &qlinear_i8_cpu);
   m.impl("qlinear_bounds", &qlinear_bounds_cpu);
   m.impl("row_norms", &row_norms_cpu);
   m.impl("bounded_candidates", &bounded_candidates_cpu);
