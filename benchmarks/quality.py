@@ -4,7 +4,9 @@ For every mode of ``torchgemma.load`` on the file, against the full-precision ru
 dequantized to float32, ``quantize=None``):
 
 * greedy agreement: 64 new tokens on 5 prompts; tokens equal to the full-precision run's before the
-  first difference, and in all;
+  first difference, and in all. The prompts are short (5-10 tokens: their products take the one-row
+  kernels), so a sixth run continues the passage's first 128 tokens (its prefill takes the products
+  of 16 rows or more: ``qlinear_dense``, or ``qlinear_i8`` with int8 activations);
 * perplexity of ``data/passage.txt`` (one forward pass over the whole passage);
 * max |Δ logits| over every position of the passage, in one forward pass (calls of 16 rows or more
   dequantize each weight and use the float32 BLAS) and token by token through the cache for the
@@ -15,11 +17,12 @@ logits of the same file and the same token ids. The modes:
 
     fp32   the GGUF dequantized to float32 (the reference row)
     gguf   each tensor at the file's own precision (Q8_0, Q5_0, Q6_K as 8-bit groups, Q4_K as 4-bit)
+    gguf+i8  the same with int8 activations in products of 16 rows or more (activations="int8")
     int8   round-to-nearest 8-bit, one scale per row, of the dequantized float32 weights
     int8-g32  the same with one scale per 32 values
     int4   round-to-nearest 4-bit, scale and offset per 32, of the dequantized float32 weights
 
-    python benchmarks/quality.py [--json]
+    python benchmarks/quality.py [--json] [--modes fp32,gguf,...]
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ PROMPTS = [
     "The three laws of thermodynamics state that",
     "To make a good cup of tea, first",
 ]
+# name: (quantize, group size for torchgemma.quantize or None to quantize while loading, activations)
 MODES = {
-    "fp32": (None, None),
-    "gguf": ("gguf", None),
-    "int8": ("int8", None),
-    "int8-g32": ("int8", 32),
-    "int4": ("int4", 32),
+    "fp32": (None, None, None),
+    "gguf": ("gguf", None, None),
+    "gguf+i8": ("gguf", None, "int8"),
+    "int8": ("int8", None, None),
+    "int8-g32": ("int8", 32, None),
+    "int4": ("int4", 32, None),
 }
+LONG_PROMPT = 128  # tokens of the passage the sixth greedy run continues
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -68,8 +74,8 @@ def stepwise_logits(model, ids: list[int], steps: int) -> torch.Tensor:
         return torch.cat([model(torch.tensor([[i]]), cache=cache)[0].float() for i in ids[:steps]])
 
 
-def greedy(model, tokenizer, prompt: str, new: int) -> list[int]:
-    ids = torch.tensor([tokenizer.encode(prompt)])
+def greedy(model, tokenizer, prompt: str | list[int], new: int) -> list[int]:
+    ids = torch.tensor([tokenizer.encode(prompt) if isinstance(prompt, str) else prompt])
     out = torchgemma.generate(model, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[])
     return out[0, ids.shape[1] :].tolist()
 
@@ -93,10 +99,10 @@ def llama_cpp_quality(
     llm.eval(ids)
     ppl = perplexity(torch.tensor(llm.scores[: len(ids)]), ids)
     tokens = []
-    for prompt in PROMPTS:
+    for prompt in [*(tokenizer.encode(p) for p in PROMPTS), ids[:LONG_PROMPT]]:
         llm.reset()
         out = []
-        for token in llm.generate(tokenizer.encode(prompt), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
             out.append(token)
             if len(out) == new:
                 break
@@ -108,24 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated; fp32 (the reference) first"
+    )
     args = parser.parse_args(argv)
+    modes = {name: MODES[name] for name in ["fp32", *(m for m in args.modes.split(",") if m and m != "fp32")]}
     warnings.simplefilter("ignore")
     path = gemma3_270m()
     tokenizer = torchgemma.load_tokenizer("gemma3-270m")
     ids = tokenizer.encode(PASSAGE.read_text())
     rows, reference_logits, reference_tokens, reference_steps = {}, None, None, None
-    for name, (mode, group) in MODES.items():
+    for name, (mode, group, activations) in modes.items():
         if group is None:
-            model = torchgemma.load(path, quantize=mode)
+            model = torchgemma.load(path, quantize=mode, activations=activations)
         else:
             model = torchgemma.quantize(torchgemma.load(path, quantize=None), mode, group_size=group)
         with torch.inference_mode():
             logits = model(torch.tensor([ids]))[0].float()
         steps = stepwise_logits(model, ids, 64)
-        tokens = [greedy(model, tokenizer, p, args.new_tokens) for p in PROMPTS]
+        tokens = [greedy(model, tokenizer, p, args.new_tokens) for p in [*PROMPTS, ids[:LONG_PROMPT]]]
         if reference_logits is None:
             reference_logits, reference_tokens, reference_steps = logits, tokens, steps
         agree = [agreement(t, r) for t, r in zip(tokens, reference_tokens)]
+        long_prefix, long_equal = agree.pop()
         rows[name] = {
             "perplexity": perplexity(logits, ids),
             "max_abs_dlogits": float((logits - reference_logits).abs().max()),
@@ -133,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             "greedy_prefix_agreement": [a for a, _ in agree],
             "greedy_tokens_equal": sum(b for _, b in agree),
             "greedy_tokens": len(PROMPTS) * args.new_tokens,
+            "long_prompt_greedy_prefix_agreement": long_prefix,
+            "long_prompt_greedy_tokens_equal": long_equal,
         }
         del model
     llama = llama_cpp_quality(path, ids, tokenizer, args.new_tokens)
@@ -140,23 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     if llama is not None:
         llama_ppl, llama_tokens = llama
         agree = [agreement(t, r) for t, r in zip(llama_tokens, reference_tokens)]
+        llama_long = agree.pop()
     print(
         f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens"
     )
     print(
-        f"{'mode':8} {'perplexity':>11} {'max |Δ logits|':>15} {'(token by token)':>17} {'greedy equal':>13}  tokens before 1st difference"
+        f"{'mode':9} {'perplexity':>11} {'max |Δ logits|':>15} {'(token by token)':>17} {'greedy equal':>13}  "
+        f"{'tokens before 1st difference':30} {f'{LONG_PROMPT}-token prompt: equal, before 1st difference':>16}"
     )
     for name, row in rows.items():
         print(
-            f"{name:8} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
+            f"{name:9} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
             f"{row['max_abs_dlogits_stepwise']:17.4g} "
-            f"{row['greedy_tokens_equal']:>5}/{row['greedy_tokens']:<7}  {row['greedy_prefix_agreement']}"
+            f"{row['greedy_tokens_equal']:>5}/{row['greedy_tokens']:<7}  {str(row['greedy_prefix_agreement']):30} "
+            f"{row['long_prompt_greedy_tokens_equal']:>3}/{args.new_tokens}, {row['long_prompt_greedy_prefix_agreement']}"
         )
     if llama is not None:
         equal = sum(b for _, b in agree)
         print(
-            f"{'llama.cpp':8} {llama_ppl:11.4f} {'-':>15} {'-':>17} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
-            f"{[a for a, _ in agree]}  (llama-cpp-python, the same file and token ids)"
+            f"{'llama.cpp':9} {llama_ppl:11.4f} {'-':>15} {'-':>17} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
+            f"{str([a for a, _ in agree]):30} {llama_long[1]:>3}/{args.new_tokens}, {llama_long[0]}"
+            "  (llama-cpp-python, the same file and token ids)"
         )
     if args.json:
         print(
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmark": "quality-270m",
                     "passage_tokens": len(ids),
                     "llama_cpp_perplexity": llama_ppl,
+                    "llama_cpp_long_prompt_greedy": None if llama is None else llama_long,
                     "results": rows,
                 }
             )

@@ -107,6 +107,14 @@ def test_dense_product_is_the_float32_product_of_the_dequantized_weight(bits, gr
     exact = x.double() @ weight.double().T
     assert out.shape == (2, 17, n) and out.dtype == torch.float32
     assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
+    # Two threads, each with slabs of its own, under inference mode (its tensors made on the workers)
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            threaded = torch.ops.torchgemma.qlinear_dense(x, q, scales, offsets, bits, group)
+    finally:
+        torch.set_num_threads(1)
+    assert (threaded.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
 
 
 @pytest.mark.parametrize(
@@ -348,6 +356,19 @@ def test_int8_activations_are_rounded_per_32_values():
     error = (ours - exact).abs()
     assert (error <= allowed).all()
     assert error.max() > 1e-3 * exact.abs().max()  # the activations were rounded
+
+
+def test_int8_activation_products_do_not_depend_on_the_thread_count():
+    ensure_kernels()
+    args = _i8_inputs(5, 32, True, torch.float16, 37, 200, 320, seed=4)
+    one = torch.ops.torchgemma.qlinear_i8(*args)
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            two = torch.ops.torchgemma.qlinear_i8(*args)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
 
 
 def test_int8_activation_rows_that_are_not_finite_give_nan():
