@@ -2,9 +2,10 @@
 weight mode, transformers and llama.cpp, in one run.
 
 * torchgemma ``gguf``: the file's own blocks (``load(..., quantize="gguf")``, the gemma3-270m
-  default), multiplied by the C++ kernels; ``gguf+i8``: the same with int8 prefill activations
-  (``activations="int8"``, llama.cpp's arithmetic for products of 16 rows or more); ``int8`` /
-  ``int4``: round-to-nearest of the dequantized weights; ``fp32``: the file dequantized to float32;
+  default), multiplied by the C++ kernels, with the default prefill activations (``"auto"``: int16
+  where the CPU has AVX-512 VNNI, else float); ``gguf+float`` / ``gguf+int8``: the same with float
+  or int8 prefill activations (int8: llama.cpp's arithmetic); ``int8`` / ``int4``: round-to-nearest
+  of the dequantized weights; ``fp32``: the file dequantized to float32;
 * transformers 5.23: the same file through its GGUF loader (float32), default attention (sdpa);
 * llama.cpp through llama-cpp-python, when installed (built from source, see benchmarks/README.md):
   the Q4_K_M weights as they are, the same thread count.
@@ -52,10 +53,11 @@ PROMPT = (
 )
 # torchgemma's modes, name: (quantize, group size for torchgemma.quantize or None to quantize while loading, activations)
 MODES = {
-    "gguf": ("gguf", None, None),
-    "gguf+i8": ("gguf", None, "int8"),
-    "int8": ("int8", None, None),
-    "int4": ("int4", 32, None),
+    "gguf": ("gguf", None, "auto"),
+    "gguf+float": ("gguf", None, None),
+    "gguf+int8": ("gguf", None, "int8"),
+    "int8": ("int8", None, "auto"),
+    "int4": ("int4", 32, "auto"),
     "fp32": (None, None, None),
 }
 TRANSFORMERS = "transformers (fp32)"
@@ -84,7 +86,10 @@ def build(name: str, threads: int):
             model = torchgemma.load(path, quantize=mode, progress=False, activations=activations)
         else:
             model = torchgemma.quantize(
-                torchgemma.load(path, quantize=None, progress=False), mode, group_size=group
+                torchgemma.load(path, quantize=None, progress=False),
+                mode,
+                group_size=group,
+                activations=activations,
             )
         return time_torchgemma, model, torch.tensor([ids])
     if name == TRANSFORMERS:
@@ -162,7 +167,7 @@ def peak_rss(name: str, threads: int, new_tokens: int) -> float:
         load = (
             f"torchgemma.load(path, quantize={mode!r}, progress=False, activations={activations!r})"
             if group is None
-            else f"torchgemma.quantize(torchgemma.load(path, quantize=None, progress=False), {mode!r}, group_size={group})"
+            else f"torchgemma.quantize(torchgemma.load(path, quantize=None, progress=False), {mode!r}, group_size={group}, activations={activations!r})"
         )
         # The prompt's ids are given: the tokenizer (the `tokenizers` library: ~330 MB for Gemma's
         # 262k-token BPE) is measured apart, by tokenizer_rss.

@@ -6,21 +6,25 @@ dequantized to float32, ``quantize=None``):
 * greedy agreement: 64 new tokens on 5 prompts; tokens equal to the full-precision run's before the
   first difference, and in all. The prompts are short (5-10 tokens: their products take the one-row
   kernels), so a sixth run continues the passage's first 128 tokens (its prefill takes the products
-  of 16 rows or more: ``qlinear_dense``, or ``qlinear_i8`` with int8 activations);
+  of 16 rows or more: ``qlinear_dense`` with float activations, else ``qlinear_int``);
 * perplexity of ``data/passage.txt`` (one forward pass over the whole passage);
-* max |Δ logits| over every position of the passage, in one forward pass (calls of 16 rows or more
-  dequantize each weight and use the float32 BLAS) and token by token through the cache for the
-  passage's first 64 tokens (one-row calls: the C++ kernels).
+* max |Δ logits| over every position of the passage, in one forward pass (calls of 16 rows or more:
+  the float32 BLAS on dequantized slabs, or integer activations) and token by token through the
+  cache for the passage's first 64 tokens (one-row calls: the C++ kernels, float activations).
 
 llama.cpp (llama-cpp-python, when installed) computes the same passage's perplexity from its own
 logits of the same file and the same token ids. The modes:
 
-    fp32   the GGUF dequantized to float32 (the reference row)
-    gguf   each tensor at the file's own precision (Q8_0, Q5_0, Q6_K as 8-bit groups, Q4_K as 4-bit)
-    gguf+i8  the same with int8 activations in products of 16 rows or more (activations="int8")
-    int8   round-to-nearest 8-bit, one scale per row, of the dequantized float32 weights
-    int8-g32  the same with one scale per 32 values
-    int4   round-to-nearest 4-bit, scale and offset per 32, of the dequantized float32 weights
+    fp32        the GGUF dequantized to float32 (the reference row)
+    gguf+float  each tensor at the file's own precision (Q8_0, Q5_0, Q6_K as 8-bit groups, Q4_K as
+                4-bit), float activations in every product (activations=None)
+    gguf+int16  the same, activations rounded to int16 in products of 16 rows or more (prefill): what
+                load(..., quantize="gguf") does by default ("auto") where the CPU has AVX-512 VNNI
+    gguf+int8   ... rounded to int8 there (llama.cpp's arithmetic)
+    int8        round-to-nearest 8-bit, one scale per row, of the dequantized float32 weights
+    int8-g32    the same with one scale per 32 values
+    int4        round-to-nearest 4-bit, scale and offset per 32, of the dequantized float32 weights
+                (the int* modes with the default activations, "auto")
 
     python benchmarks/quality.py [--json] [--modes fp32,gguf,...]
 """
@@ -51,11 +55,12 @@ PROMPTS = [
 # name: (quantize, group size for torchgemma.quantize or None to quantize while loading, activations)
 MODES = {
     "fp32": (None, None, None),
-    "gguf": ("gguf", None, None),
-    "gguf+i8": ("gguf", None, "int8"),
-    "int8": ("int8", None, None),
-    "int8-g32": ("int8", 32, None),
-    "int4": ("int4", 32, None),
+    "gguf+float": ("gguf", None, None),
+    "gguf+int16": ("gguf", None, "int16"),
+    "gguf+int8": ("gguf", None, "int8"),
+    "int8": ("int8", None, "auto"),
+    "int8-g32": ("int8", 32, "auto"),
+    "int4": ("int4", 32, "auto"),
 }
 LONG_PROMPT = 128  # tokens of the passage the sixth greedy run continues
 
@@ -128,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if group is None:
             model = torchgemma.load(path, quantize=mode, activations=activations)
         else:
-            model = torchgemma.quantize(torchgemma.load(path, quantize=None), mode, group_size=group)
+            model = torchgemma.quantize(
+                torchgemma.load(path, quantize=None), mode, group_size=group, activations=activations
+            )
         with torch.inference_mode():
             logits = model(torch.tensor([ids]))[0].float()
         steps = stepwise_logits(model, ids, 64)
@@ -158,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         f"Gemma 3 270M Q4_K_M, passage of {len(ids)} tokens, {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens"
     )
     print(
-        f"{'mode':9} {'perplexity':>11} {'max |Δ logits|':>15} {'(token by token)':>17} {'greedy equal':>13}  "
+        f"{'mode':10} {'perplexity':>11} {'max |Δ logits|':>15} {'(token by token)':>17} {'greedy equal':>13}  "
         f"{'tokens before 1st difference':30} {f'{LONG_PROMPT}-token prompt: equal, before 1st difference':>16}"
     )
     for name, row in rows.items():
         print(
-            f"{name:9} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
+            f"{name:10} {row['perplexity']:11.4f} {row['max_abs_dlogits']:15.4g} "
             f"{row['max_abs_dlogits_stepwise']:17.4g} "
             f"{row['greedy_tokens_equal']:>5}/{row['greedy_tokens']:<7}  {str(row['greedy_prefix_agreement']):30} "
             f"{row['long_prompt_greedy_tokens_equal']:>3}/{args.new_tokens}, {row['long_prompt_greedy_prefix_agreement']}"
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if llama is not None:
         equal = sum(b for _, b in agree)
         print(
-            f"{'llama.cpp':9} {llama_ppl:11.4f} {'-':>15} {'-':>17} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
+            f"{'llama.cpp':10} {llama_ppl:11.4f} {'-':>15} {'-':>17} {equal:>5}/{len(PROMPTS) * args.new_tokens:<7}  "
             f"{str([a for a, _ in agree]):30} {llama_long[1]:>3}/{args.new_tokens}, {llama_long[0]}"
             "  (llama-cpp-python, the same file and token ids)"
         )

@@ -273,8 +273,8 @@ def test_threads_flag_sets_torch_threads(llm_checkpoint, capsys):  # noqa: F811
 
 
 def test_activations_flag_reaches_the_loader(monkeypatch, capsys):
-    """--activations int8 asks LLM (and so torchgemma.load) for int8 prefill activations; the
-    default keeps the model's dtype."""
+    """--activations asks LLM (and so torchgemma.load) for a prefill's activations: int8, float (None)
+    or, by default, auto."""
     seen = []
 
     def fake_llm(*args, **kwargs):
@@ -282,12 +282,12 @@ def test_activations_flag_reaches_the_loader(monkeypatch, capsys):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("torchgemma.llm.LLM", fake_llm)
-    for flags in (["--activations", "int8"], []):
+    for flags in (["--activations", "int8"], ["--activations", "float"], []):
         main(["generate", "--model", "never-loaded", *flags, PROMPT])
-    assert seen == ["int8", None]
+    assert seen == ["int8", None, "auto"]
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
-    assert "--activations {float,int8}" in capsys.readouterr().out
+    assert "--activations {auto,float,int16,int8}" in capsys.readouterr().out
 
 
 def test_device_auto_is_cuda_when_there_is_one(monkeypatch, capsys):

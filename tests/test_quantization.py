@@ -167,7 +167,7 @@ def test_operators_check_their_inputs():
     ("bits", "mins", "scale_dtype"),
     [(4, True, torch.float32), (5, True, torch.float16), (8, False, torch.float16)],
 )
-@pytest.mark.parametrize("op", ["qlinear", "qlinear_dense", "qlinear_i8", "dequantize"])
+@pytest.mark.parametrize("op", ["qlinear", "qlinear_dense", "qlinear_int", "dequantize"])
 def test_operators_pass_torch_library_opcheck(op, bits, mins, scale_dtype):
     """The fake (meta) kernels agree with the real ones, so torch.compile traces the layers."""
     ensure_kernels()
@@ -178,7 +178,7 @@ def test_operators_pass_torch_library_opcheck(op, bits, mins, scale_dtype):
         (q, scales, offsets, bits, 32)
         if op == "dequantize"
         else (torch.randn(3, 64), q, scales, offsets, bits, 32)
-    )
+    ) + ((16,) if op == "qlinear_int" else ())
     torch.library.opcheck(getattr(torch.ops.torchgemma, op).default, args)
 
 
@@ -260,9 +260,10 @@ _PRODUCTS = textwrap.dedent(
             for rows in (1, 2, 3, 4, 5):
                 x = torch.randn(rows, 320, generator=gen)
                 out[f"{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear(x, q, scales, offsets, bits, group)
-            for rows in (1, 6, 17):  # int8 activations: VNNI where the CPU has it, else the portable loop
+            for rows in (1, 6, 17):  # integer activations: VNNI where the CPU has it, else the portable loop
                 x = torch.randn(rows, 320, generator=gen)
-                out[f"i8/{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear_i8(x, q, scales, offsets, bits, group)
+                for x_bits in (8, 16):
+                    out[f"int{x_bits}/{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear_int(x, q, scales, offsets, bits, group, x_bits)
     save_file(out, sys.argv[1])
     print(kernels.kernel_status())
     """
@@ -271,7 +272,7 @@ _PRODUCTS = textwrap.dedent(
 
 def test_avx512_build_gives_the_avx2_builds_bits(tmp_path):
     """A CPU with AVX-512 builds the kernels with it (16 values per instruction); its products are
-    the AVX2 build's to the bit (the 512-bit lanes hold the AVX2 code's two chains), int8-activation
+    the AVX2 build's to the bit (the 512-bit lanes hold the AVX2 code's two chains), integer-activation
     products (VNNI where the CPU has it) included. Builds the AVX2 kernels beside this machine's on
     first run (~15 s, then cached)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -291,7 +292,7 @@ def test_avx512_build_gives_the_avx2_builds_bits(tmp_path):
         assert torch.equal(values, runs["avx2"][case]), case
 
 
-# ── int8 activations (qlinear_i8) ───────────────────────────────────────────────────────────────
+# ── integer activations (qlinear_int) ───────────────────────────────────────────────────────────
 
 I8_CASES = [
     (8, 8, False),
@@ -303,6 +304,7 @@ I8_CASES = [
     (4, 64, False),
     (5, 32, True),
 ]
+I8_SHAPES = [(1, 16, 64), (5, 40, 96), (17, 100, 320), (9, 33, 640)]  # 96: a 32-value tail past 64
 
 
 def _i8_inputs(bits, group, mins, scale_dtype, rows, n, k, seed=0):
@@ -315,22 +317,22 @@ def _i8_inputs(bits, group, mins, scale_dtype, rows, n, k, seed=0):
     return x, q, scales, offsets, bits, group
 
 
-I8_SHAPES = [(1, 16, 64), (5, 40, 96), (17, 100, 320), (9, 33, 640)]  # 96: a 32-value tail past 64
-
-
+@pytest.mark.parametrize("x_bits", [8, 16])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("bits", "group", "mins", "rows", "n", "k"),
     [(*case, *shape) for case in I8_CASES for shape in I8_SHAPES if shape[2] % (case[1] or 1) == 0],
 )
-def test_int8_activation_product_is_its_stated_arithmetic(bits, group, mins, scale_dtype, rows, n, k):
+def test_integer_activation_product_is_its_stated_arithmetic(
+    bits, group, mins, scale_dtype, rows, n, k, x_bits
+):
     """The C++ kernel (VNNI where the CPU has it) against the float64 reference of what the kernel
     says it computes (exact integer sums per span, then the scales): equal to float32 rounding. One
-    activation rounded one step the other way, or a wrong offset or span, is ~1e-4 of the scale."""
+    int8 activation rounded one step the other way, or a wrong offset or span, is ~1e-4 of the scale."""
     ensure_kernels()
     args = _i8_inputs(bits, group, mins, scale_dtype, rows, n, k)
-    ours = torch.ops.torchgemma.qlinear_i8(*args)
-    reference = kernels._qlinear_i8_reference(*args)
+    ours = torch.ops.torchgemma.qlinear_int(*args, x_bits)
+    reference = kernels._qlinear_int_reference(*args, x_bits)
     x, q, scales, offsets, _, g = args
     weight = kernels._dequantize_reference(q, scales, offsets, bits, g).double()
     size = x.double().abs() @ weight.abs().T  # the sum of |terms|: what float32 rounding scales with
@@ -338,72 +340,93 @@ def test_int8_activation_product_is_its_stated_arithmetic(bits, group, mins, sca
     assert ((ours.double() - reference.double()).abs() <= 2e-6 * size + 1e-30).all()
 
 
-def test_int8_activations_are_rounded_per_32_values():
-    """xq = round(x / d), d = max |x| / 127 per block of 32, ties to even, zero blocks zero; and the
-    product's error from the float32 product is what that rounding allows (Cauchy-Schwarz per row)."""
-    x = torch.tensor([[0.0] * 32 + [127.0, -63.5, 0.5 * 127 / 127, 1.5] + [0.0] * 28])
-    xq, d = kernels.round_to_int8(x)
+@pytest.mark.parametrize(("x_bits", "levels"), [(8, 127), (16, 32767)])
+def test_integer_activations_are_rounded_per_32_values(x_bits, levels):
+    """xq = round(x / d), d = max |x| / L per block of 32, ties to even, zero blocks zero; and the
+    product's error from the float32 product is what that rounding allows (Cauchy-Schwarz per row):
+    for int16, ~258 times less than for int8."""
+    x = torch.tensor([[0.0] * 32 + [levels, -63.5, 0.5, 1.5] + [0.0] * 28])
+    xq, d = kernels.round_to_ints(x, x_bits)
     assert d.tolist() == [[0.0, 1.0]]
-    assert xq[0, 32:36].tolist() == [127, -64, 0, 2]  # -63.5 and 0.5 to even, 1.5 up to 2
+    assert xq[0, 32:36].tolist() == [levels, -64, 0, 2]  # -63.5 and 0.5 to even, 1.5 up to 2
     ensure_kernels()
     x, q, scales, offsets, bits, group = _i8_inputs(8, 32, True, torch.float32, 7, 48, 256, seed=3)
-    ours = torch.ops.torchgemma.qlinear_i8(x, q, scales, offsets, bits, group).double()
+    ours = torch.ops.torchgemma.qlinear_int(x, q, scales, offsets, bits, group, x_bits).double()
     weight = kernels._dequantize_reference(q, scales, offsets, bits, group).double()
     exact = x.double() @ weight.T
-    xq, d = kernels.round_to_int8(x)
+    xq, d = kernels.round_to_ints(x, x_bits)
     rounding = (x.double() - xq.double() * d.double().repeat_interleave(32, -1)).norm(dim=-1)
     allowed = rounding[:, None] * weight.norm(dim=-1)[None, :] + 1e-5 * (x.double().abs() @ weight.abs().T)
     error = (ours - exact).abs()
     assert (error <= allowed).all()
-    assert error.max() > 1e-3 * exact.abs().max()  # the activations were rounded
+    assert error.max() > 0.1 / levels * exact.abs().max()  # the activations were rounded
 
 
-def test_int8_activation_products_do_not_depend_on_the_thread_count():
+def test_integer_activation_products_do_not_depend_on_the_thread_count():
     ensure_kernels()
     args = _i8_inputs(5, 32, True, torch.float16, 37, 200, 320, seed=4)
-    one = torch.ops.torchgemma.qlinear_i8(*args)
-    torch.set_num_threads(2)
-    try:
-        with torch.inference_mode():
-            two = torch.ops.torchgemma.qlinear_i8(*args)
-    finally:
-        torch.set_num_threads(1)
-    assert torch.equal(one, two)
+    for x_bits in (8, 16):
+        one = torch.ops.torchgemma.qlinear_int(*args, x_bits)
+        torch.set_num_threads(2)
+        try:
+            with torch.inference_mode():
+                two = torch.ops.torchgemma.qlinear_int(*args, x_bits)
+        finally:
+            torch.set_num_threads(1)
+        assert torch.equal(one, two)
 
 
-def test_int8_activation_rows_that_are_not_finite_give_nan():
+def test_integer_activation_rows_that_are_not_finite_give_nan():
     ensure_kernels()
     x, q, scales, offsets, bits, group = _i8_inputs(4, 32, True, torch.float32, 3, 16, 64)
-    clean = torch.ops.torchgemma.qlinear_i8(x, q, scales, offsets, bits, group)
+    clean = torch.ops.torchgemma.qlinear_int(x, q, scales, offsets, bits, group, 16)
     x[1, 5] = float("inf")
-    out = torch.ops.torchgemma.qlinear_i8(x, q, scales, offsets, bits, group)
+    out = torch.ops.torchgemma.qlinear_int(x, q, scales, offsets, bits, group, 16)
     assert out[1].isnan().all()
     assert torch.equal(out[[0, 2]], clean[[0, 2]])
 
 
-def test_int8_activations_on_a_model(text_checkpoints, tmp_path):
+def test_integer_activations_on_a_model(text_checkpoints):
     """Products of 16 rows or more (prefill) round activations; one-token steps keep their bits; None
-    restores the float products; the switch refuses what it cannot do."""
-    from torchgemma.quantization import set_activations
+    restores the float products; "auto" is int16 with VNNI, else None; refused where it cannot run."""
+    from torchgemma.quantization import QuantizedWeight, set_activations, vnni_available
 
     folder = text_checkpoints["e2b"]
-    model = torchgemma.load(folder, quantize="int8")
+    model = torchgemma.load(folder, quantize="int8", activations=None)
+    weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert weights and not any(m.activation_bits for m in weights)
     ids = IDS  # 2 x 11 tokens: 22 rows per product
     with torch.inference_mode():
         prefill, step = model(ids), model(ids[:, :1])
-        assert set_activations(model, "int8") is model
-        weights = [m for m in model.modules() if isinstance(m, torchgemma.quantization.QuantizedWeight)]
-        # every weight whose rows split into blocks of 32 (the per-layer table's 80 do not)
-        assert [m.int8_activations for m in weights] == [m.weight_shape[-1] % 32 == 0 for m in weights]
-        assert sum(m.int8_activations for m in weights) > len(weights) / 2
-        prefill_i8, step_i8 = model(ids), model(ids[:, :1])
-        assert torch.equal(step_i8, step)  # 2 rows: the float kernels
-        assert not torch.equal(prefill_i8, prefill)
-        assert _relative_rms(prefill_i8.double(), prefill.double()) < 0.05
+        errors = {}
+        for name, bits in (("int8", 8), ("int16", 16)):
+            assert set_activations(model, name) is model
+            # every weight whose rows split into blocks of 32 (the per-layer table's 80 do not)
+            assert [m.activation_bits for m in weights] == [
+                bits * (m.weight_shape[-1] % 32 == 0) for m in weights
+            ]
+            assert sum(bool(m.activation_bits) for m in weights) > len(weights) / 2
+            rounded = model(ids)
+            assert torch.equal(model(ids[:, :1]), step)  # 2 rows: the float kernels
+            assert not torch.equal(rounded, prefill)
+            errors[name] = _relative_rms(rounded.double(), prefill.double())
+        assert errors["int16"] < errors["int8"] / 50 and errors["int8"] < 0.05
         set_activations(model, None)
         assert torch.equal(model(ids), prefill)
-    loaded = torchgemma.load(folder, quantize="int8", activations="int8")
-    assert loaded.language_model.layers[0].self_attn.q_proj.int8_activations
+    auto = torchgemma.load(folder, quantize="int8")
+    assert auto.language_model.layers[0].self_attn.q_proj.activation_bits == (16 if vnni_available() else 0)
+    assert (
+        torchgemma.load(folder, quantize="int8", activations="int8")
+        .language_model.layers[0]
+        .mlp.up_proj.activation_bits
+        == 8
+    )
+    assert (
+        quantize(torchgemma.load(folder, quantize=None), "int4", activations="int8")
+        .language_model.layers[0]
+        .mlp.up_proj.activation_bits
+        == 8
+    )
     with pytest.raises(ValueError, match="needs a quantized model"):
         set_activations(torchgemma.load(folder, quantize=None), "int8")
     with pytest.raises(ValueError, match="unknown activations 'int4'"):

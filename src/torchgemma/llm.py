@@ -119,7 +119,7 @@ class LLM:
     config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
     ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
     blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in ``torchgemma.load``
-    (``"int8"``: faster prefill of a quantized model on the CPU, int8-rounded activations).
+    (a quantized model's prefill on the CPU: ``"auto"``, ``"int16"``, ``"int8"`` or None).
     """
 
     def __init__(
@@ -132,7 +132,7 @@ class LLM:
         max_soft_tokens: int | None = None,
         progress: bool = True,
         quantize: str | None = "auto",
-        activations: str | None = None,
+        activations: str | None = "auto",
     ) -> None:
         if quantize == "auto":
             quantize = auto_quantization(source)

@@ -20,10 +20,12 @@ Modes (``MODES``):
   as 8-bit groups; Q4_0, Q4_1, Q4_K as 4-bit groups; scales float16 where that is exact), the values
   equal to its dequantization.
 
-Int8 activations (``set_activations(model, "int8")``, ``load(..., activations="int8")``): products of
-16 rows or more (a prompt's prefill, not a decode step) round their activations to int8 per 32 values
-(llama.cpp's scheme) and multiply integers, about 2.5x the float32 products' speed where the CPU has
-AVX-512 VNNI, for a small loss of accuracy (benchmarks/README.md measures it).
+Integer activations (``activations=`` of ``quantize`` and ``load``; ``set_activations``): products of
+16 rows or more (a prompt's prefill, not a decode step) may round their activations to integers per
+32 values and multiply integers. ``"int16"`` keeps the float32 products' perplexity and greedy tokens
+(measured on Gemma 3 270M) at ~1.6x their speed; ``"int8"`` is llama.cpp's arithmetic, ~2.5x, with
+its small loss of accuracy; None keeps float activations. ``"auto"`` (the default) is int16 where the
+CPU has AVX-512 VNNI, else None (benchmarks/README.md measures all three).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from ..model.text import Attention, Experts
-from .kernels import ensure_kernels, kernel_status
+from .kernels import ensure_kernels, kernel_status, vnni_available
 from .modules import (
     FUSED_ATTENTION,
     Format,
@@ -49,7 +51,7 @@ from .modules import (
 )
 
 MODES = ("int8", "int4", "gguf")
-ACTIVATIONS = (None, "int8")
+ACTIVATIONS = ("auto", None, "int16", "int8")
 
 __all__ = [
     "ACTIVATIONS",
@@ -71,6 +73,7 @@ __all__ = [
     "quantized_shell",
     "replace_module",
     "set_activations",
+    "vnni_available",
 ]
 
 
@@ -127,14 +130,20 @@ def quantized_shell(item: nn.Module | nn.Parameter, fmt: Format, dtype: torch.dt
     return QuantizedLinear(item.in_features, item.out_features, fmt, dtype)
 
 
-def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = None) -> nn.Module:
+def quantize(
+    model: nn.Module, mode: str = "int8", *, group_size: int | None = None, activations: str | None = "auto"
+) -> nn.Module:
     """Replace ``model``'s quantizable layers (see ``quantizable``) by quantized ones, in place.
 
     Each weight is quantized and freed in turn, so memory peaks at the model plus one layer's
     float32 copy. A layer whose width the format cannot hold (e.g. 4-bit groups of 32 over 8
     features) stays in full precision; ``model.quantization`` records the mode, the format of each
-    quantized layer and the layers kept, with the reason (and a warning says so). Returns the model.
+    quantized layer and the layers kept, with the reason (and a warning says so). ``activations``:
+    how products of 16 rows or more (prefill) take their activations (``set_activations``; "auto":
+    int16 where the CPU has AVX-512 VNNI). Returns the model.
     """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
     if mode == "gguf" or mode not in MODES:
         mode_format(mode, group_size, 0)  # the error for a bad or load-only mode
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
@@ -152,18 +161,30 @@ def quantize(model: nn.Module, mode: str = "int8", *, group_size: int | None = N
     if chosen and model_device(model).type == "cpu":
         ensure_kernels()
         fuse_ops(model)
-    return model
+    return set_activations(model, activations) if chosen else model
 
 
 def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
     """How the quantized products of 16 rows or more (prefill) take their activations, in place:
-    ``"int8"`` rounds them to int8 per 32 values and multiplies integers (``torchgemma::qlinear_i8``:
-    llama.cpp's arithmetic, ~2.5x faster prefill on CPUs with AVX-512 VNNI, slower elsewhere); None
-    keeps them in the model's dtype (the default). Decode steps (fewer rows) are not affected. A weight
-    whose groups do not split into spans of 32 values (or divide 32) keeps float activations."""
+
+    * ``"auto"``: ``"int16"`` where the CPU kernels have AVX-512 VNNI (``kernels.vnni_available()``),
+      else None;
+    * ``"int16"``: rounded to int16 per 32 values, then integer products (``torchgemma::qlinear_int``):
+      on Gemma 3 270M the float32 products' perplexity to 4 decimals and greedy tokens, ~1.6x
+      their speed on CPUs with AVX-512 VNNI (slower than float32 elsewhere);
+    * ``"int8"``: rounded to int8 per 32 values (llama.cpp's arithmetic): ~2.5x the float32
+      products' speed with VNNI, perplexity +0.2% and greedy tokens that part from full precision's
+      within a few dozen tokens of a long prompt, as llama.cpp's do;
+    * None: in the model's dtype (the reference's products, to float32 rounding).
+
+    Decode steps (fewer rows) are not affected. A weight whose groups do not split into spans of 32
+    values (or divide 32), or whose rows are not a multiple of 32 values, keeps float activations."""
     if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {activations!r}; use 'int8' or None")
+        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    if activations == "auto":
+        cpu = bool(weights) and model_device(model).type == "cpu"
+        activations = "int16" if cpu and vnni_available() else None
     if activations is not None and not weights:
         raise ValueError(
             f'activations="{activations}" needs a quantized model (quantize="gguf", "int8" or "int4")'
@@ -172,10 +193,11 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
         raise ValueError(
             f'activations="{activations}" runs on the CPU kernels; the model is on {model_device(model)}'
         )
+    bits = {None: 0, "int8": 8, "int16": 16}[activations]
     for module in weights:
         group, features = module.format.group_size, module.weight_shape[-1]
         spans = group % 32 == 0 or 32 % group == 0
-        module.int8_activations = activations == "int8" and spans and features % 32 == 0
+        module.activation_bits = bits if spans and features % 32 == 0 else 0
     return model
 
 

@@ -42,10 +42,11 @@ _LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bit
 _LIBRARY.define(
     "qlinear_dense(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
 )
-# x @ W.T with x rounded to int8 per 32 values (llama.cpp's scheme): an opt-in for calls of many rows
-# (QuantizedWeight.int8_activations; csrc/qlinear.cpp defines the arithmetic).
+# x @ W.T with x rounded to x_bits-bit integers (8 or 16) per 32 values, for calls of many rows
+# (QuantizedWeight.activations; csrc/qlinear.cpp defines the arithmetic).
 _LIBRARY.define(
-    "qlinear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
+    "qlinear_int(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, int x_bits) "
+    "-> Tensor"
 )
 # The greedy head's two helpers (CPU kernels only; see QuantizedWeight.argmax): scores of every row
 # with int8-rounded activations and a bound on their distance from qlinear's, and the rows' norms.
@@ -119,25 +120,29 @@ def _qlinear_reference(x, qweight, scales, mins, bits: int, group_size: int) -> 
     return F.linear(x.to(torch.float32), _dequantize_reference(qweight, scales, mins, bits, group_size))
 
 
-def round_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) float32 -> (xq (..., K) int8, d (..., K / 32) float32) with x ~ d * xq per 32 values:
-    d = max |x| / 127 over the block, xq = x / d rounded to nearest (ties to even)."""
+def round_to_ints(x: torch.Tensor, x_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float32 -> (xq (..., K) int8 or int16, d (..., K / 32) float32) with x ~ d * xq per 32
+    values: d = max |x| / L over the block (L = 127 or 32767), xq = x / d rounded to nearest (ties to
+    even)."""
+    levels, dtype = {8: (127, torch.int8), 16: (32767, torch.int16)}[x_bits]
     blocks = x.to(torch.float32).unflatten(-1, (-1, 32))
-    d = blocks.abs().amax(-1) / 127
+    d = blocks.abs().amax(-1) / levels
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    xq = torch.where(d[..., None] > 0, torch.round(blocks / safe[..., None]), 0.0).clamp(-127, 127)
-    return xq.flatten(-2).to(torch.int8), d
+    xq = torch.where(d[..., None] > 0, torch.round(blocks / safe[..., None]), 0.0).clamp(-levels, levels)
+    return xq.flatten(-2).to(dtype), d
 
 
-def _qlinear_i8_reference(x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
-    """qlinear_i8's arithmetic in float64 (csrc/qlinear.cpp): each span's integer sums are exact, the
+def _qlinear_int_reference(x, qweight, scales, mins, bits: int, group_size: int, x_bits: int) -> torch.Tensor:
+    """qlinear_int's arithmetic in float64 (csrc/qlinear.cpp): each span's integer sums are exact, the
     scales applied in float64, so this differs from the C++ kernels by their float32 rounding."""
     k = _check(qweight, scales, mins, bits, group_size)
     span = 32 if group_size % 32 == 0 else group_size
     if k % 32 or 32 % span:
-        raise ValueError(f"qlinear_i8: groups of {group_size} over {k} features have no spans")
+        raise ValueError(f"qlinear_int: groups of {group_size} over {k} features have no spans")
+    if x_bits not in (8, 16):
+        raise ValueError(f"qlinear_int: x_bits must be 8 or 16, got {x_bits}")
     rows = x.reshape(-1, k).to(torch.float32)
-    xq, d = round_to_int8(rows)
+    xq, d = round_to_ints(rows, x_bits)
     q = unpack(qweight, bits).to(torch.float64).unflatten(-1, (-1, span))  # (N, S, F)
     xs = xq.to(torch.float64).unflatten(-1, (-1, span))  # (M, S, F)
     dots = torch.einsum("msf,nsf->mns", xs, q)  # exact: integers far below 2^53
@@ -181,8 +186,8 @@ def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
     return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
 
 
-@torch.library.register_fake("torchgemma::qlinear_i8")
-def _qlinear_i8_fake(x, qweight, scales, mins, bits, group_size):
+@torch.library.register_fake("torchgemma::qlinear_int")
+def _qlinear_int_fake(x, qweight, scales, mins, bits, group_size, x_bits):
     return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
 
 
@@ -211,7 +216,7 @@ def _dequantize_fake(qweight, scales, mins, bits, group_size):
 _LIBRARY.impl("qlinear", _qlinear_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("dequantize", _dequantize_reference, "CompositeExplicitAutograd")
 _LIBRARY.impl("qlinear_dense", _qlinear_reference, "CompositeExplicitAutograd")
-_LIBRARY.impl("qlinear_i8", _qlinear_i8_reference, "CompositeExplicitAutograd")
+_LIBRARY.impl("qlinear_int", _qlinear_int_reference, "CompositeExplicitAutograd")
 
 
 # ── building the C++ kernels ───────────────────────────────────────────────────────────────────
@@ -313,6 +318,18 @@ def _build(library: Path) -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+def vnni_available() -> bool:
+    """Whether the C++ kernels run integer products with AVX-512 VNNI here (qlinear_int's fast path):
+    built for AVX-512, on a CPU that reports avx512_vnni (Linux's /proc/cpuinfo; elsewhere False)."""
+    if "-mavx512f" not in _cpu_flags() or not ensure_kernels():
+        return False
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in cpuinfo)
+    except OSError:
+        return False
 
 
 def kernel_status() -> str:

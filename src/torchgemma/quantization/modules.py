@@ -25,8 +25,8 @@ from . import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
 # time (qlinear_dense): from here on it beats re-reading the integers row block by row block
-# (measured on AVX2). With int8 activations (QuantizedWeight.int8_activations) these calls round
-# their activations to int8 instead (qlinear_i8); calls of fewer rows (a decode step) never do.
+# (measured on AVX2). With integer activations (QuantizedWeight.activation_bits) these calls round
+# their activations to int16 or int8 instead (qlinear_int); calls of fewer rows (a decode step) never do.
 DENSE_ROWS = 16
 
 
@@ -66,8 +66,9 @@ SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 class QuantizedWeight(nn.Module):
     """The buffers of one quantized (N, K) weight and the two ways to use them."""
 
-    # Products of DENSE_ROWS rows or more round x to int8 per 32 values (set_activations).
-    int8_activations = False
+    # Products of DENSE_ROWS rows or more round x to integers of this many bits per 32 values, 8 or 16;
+    # 0: they take x as it is (set_activations).
+    activation_bits = 0
 
     def __init__(self, rows: int, features: int, fmt: Format, dtype: torch.dtype):
         super().__init__()
@@ -107,8 +108,8 @@ class QuantizedWeight(nn.Module):
         buffers = self._buffers
         args = (x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size)
         if x.numel() >= DENSE_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
-            if self.int8_activations:
-                out = torch.ops.torchgemma.qlinear_i8.default(*args)
+            if self.activation_bits:
+                out = torch.ops.torchgemma.qlinear_int.default(*args, self.activation_bits)
             else:
                 out = torch.ops.torchgemma.qlinear_dense.default(*args)
         else:

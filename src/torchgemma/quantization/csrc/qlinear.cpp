@@ -627,42 +627,51 @@ at::Tensor qlinear_dense_cpu(const at::Tensor& x_in, const at::Tensor& qweight, 
 
 constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24, float32's unit roundoff
 
-// x (K) -> xq (K, int8), d (K / 32): x[k] ~ d[k / 32] * xq[k] (d = max |x| / 127 over the block,
-// xq = x / d rounded to nearest, ties to even).
-void round_to_int8(const float* x, int64_t K, int8_t* xq, float* d) {
+// x (K) -> xq (K, int8 or int16), d (K / 32): x[k] ~ d[k / 32] * xq[k] (d = max |x| / L over the block,
+// L = 127 or 32767, xq = x / d rounded to nearest, ties to even).
+template <typename X>
+void round_to_ints(const float* x, int64_t K, X* xq, float* d) {
+  constexpr int kLevels = std::is_same_v<X, int8_t> ? 127 : 32767;
 #ifdef TG_AVX512
   // The same operations 16 values at a time (a division, and vcvtps2dq's round to nearest even: lrint's
-  // rounding in the default mode), so the same bytes.
+  // rounding in the default mode), so the same integers.
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i lo = _mm512_set1_epi32(-kLevels), hi = _mm512_set1_epi32(kLevels);
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const float scale = amax / 127.f;
+    const float scale = amax / static_cast<float>(kLevels);
     d[b] = scale;
     if (!(scale > 0.f)) {
-      std::memset(xq + b * 32, 0, 32);
+      std::memset(xq + b * 32, 0, 32 * sizeof(X));
       continue;
     }
     const __m512 sv = _mm512_set1_ps(scale);
     const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x0, sv))));
     const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x1, sv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    if constexpr (std::is_same_v<X, int8_t>) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), _mm512_cvtepi32_epi16(q0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi16(q1));
+    }
   }
   return;
 #endif
   for (int64_t b = 0; b < K / 32; ++b) {
     float amax = 0.f;
     for (int64_t k = b * 32; k < (b + 1) * 32; ++k) amax = std::max(amax, std::fabs(x[k]));
-    const float scale = amax / 127.f;
+    const float scale = amax / static_cast<float>(kLevels);
     d[b] = scale;
     for (int64_t k = b * 32; k < (b + 1) * 32; ++k) {
       const long v = scale > 0.f ? std::lrint(x[k] / scale) : 0;
-      xq[k] = static_cast<int8_t>(std::max(-127L, std::min(127L, v)));
+      xq[k] = static_cast<X>(std::max<long>(-kLevels, std::min<long>(kLevels, v)));
     }
   }
 }
+
+void round_to_int8(const float* x, int64_t K, int8_t* xq, float* d) { round_to_ints(x, K, xq, d); }
 
 // round_to_int8, and ||x - d xq||, ||x||, ||d xq||.
 std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
@@ -789,24 +798,29 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
   return {approx.view(shape), bound.view(shape)};
 }
 
-// ── Products with int8 activations (qlinear_i8, an opt-in for calls of many rows) ─────────────
+// ── Products with integer activations (qlinear_int, for calls of many rows) ─────────────────────
 //
-// qlinear_i8 rounds each row of x to int8 per block of 32 values, as quantize_activations above
-// (d = max|x| / 127, xq = round(x / d)), then multiplies integers. Per "span" of F values (F = the
-// weight's group size, or 32 if the group is longer: one activation scale and one weight scale over
-// it), with q' = q + off the weight's integers made unsigned (off = 128 for 8 bits, 0 for 4 and 5):
+// qlinear_int rounds each row of x to integers of `x_bits` bits (8 or 16) per block of 32 values
+// (d = max|x| / L, xq = x / d rounded to nearest, ties to even, L = 127 or 32767), then multiplies
+// integers. Per "span" of F values (F = the weight's group size, or 32 if the group is longer: one
+// activation scale and one weight scale over it), with q' = q + off the weight's integers (for 8-bit
+// activations made unsigned: off = 128 for 8-bit weights; off = 0 otherwise):
 //
 //     I = sum q'[n, k] xq[m, k]   X = sum xq[m, k]                       (int32, exact)
 //     t = float(I - off X) * s[n, g]      then  t = fma(min[n, g], float(X), t)  if mins
 //     out[m, n] = fma(t, d[m, k / 32], out[m, n])                         span after span
 //
-// The float operations are these, in this order, for every (m, n), so every build gives the same bits.
-// This is what llama.cpp's CPU products do (its activations are Q8_0/Q8_K blocks): about 3x the
-// float32 BLAS's speed where the CPU has AVX-512 VNNI (vpdpbusd: 64 byte products per instruction),
-// at the cost of the activations' rounding (benchmarks/README: perplexity and greedy agreement).
+// (float(I) rounds to nearest where |I| > 2^24: 16-bit activations only.) The float operations are
+// these, in this order, for every (m, n), so every build gives the same bits.
 //
-// For VNNI the weights of 16 rows are interleaved four bytes at a time (one 64-byte load holds
-// values k..k+3 of each row), a slab of rows at a time, in each thread's own buffer.
+// x_bits 8 is llama.cpp's arithmetic (its activations are Q8_0/Q8_K blocks): 2-3x the float32
+// BLAS's speed where the CPU has AVX-512 VNNI (vpdpbusd: 64 byte products per instruction), for a
+// visible rounding of the activations (perplexity +0.2% on Gemma 3 270M). x_bits 16 (vpdpwssd: 32
+// products per instruction) rounds them 258 times finer: the float32 products' perplexity and greedy
+// tokens there, at ~1.6x the float32 BLAS's speed (benchmarks/README.md).
+//
+// For VNNI the integers of 16 rows are interleaved a dword at a time (one 64-byte load holds values
+// k..k+3 (bytes) or k..k+1 (int16) of each row), a slab of rows at a time, in each thread's own buffer.
 
 #ifndef TG_I8_MT
 #define TG_I8_MT 4
@@ -818,6 +832,11 @@ constexpr int64_t kI8Rows = 16;  // rows per interleaved group (the lanes of one
 
 // A span's length for a weight group G (0: no span fits, G neither divides 32 nor is a multiple).
 inline int64_t i8_span(int64_t G) { return G % 32 == 0 ? 32 : (32 % G == 0 ? G : 0); }
+
+// The integer types of x_bits 8 and 16: activations, and weights as the products take them.
+template <int XB> struct IntTypes;
+template <> struct IntTypes<8> { using X = int8_t; using W = uint8_t; static constexpr int kLevels = 127; };
+template <> struct IntTypes<16> { using X = int16_t; using W = int16_t; static constexpr int kLevels = 32767; };
 
 #ifdef TG_AVX512
 // 16 rows of 16 dwords (at src + r * stride) -> dst[j * 16 + r] = row r's dword j: the 16 x 16 transpose,
@@ -852,73 +871,90 @@ inline void transpose_dwords16(const uint8_t* src, int64_t stride, uint8_t* dst)
 }
 #endif
 
-// Rows n0..n0 + 16 of the weight as unsigned bytes interleaved by four (rows past N are zero), and their
-// scales and mins per group as float32 (16 per group).
-template <int BITS, typename S>
-void pack_i8_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
-                  int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
-  const int64_t groups = K / G;
+// Rows n0..n0 + 16 of the weight as the products' integers (XB 8: unsigned bytes, q + 128 for 8-bit
+// weights; XB 16: int16), interleaved a dword at a time (rows past N are zero), and their scales and
+// mins per group as float32 (16 per group).
+template <int XB, int BITS, typename S>
+void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
+                   int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
+  using W = typename IntTypes<XB>::W;
+  const int64_t groups = K / G, row_size = K * static_cast<int64_t>(sizeof(W));
   thread_local std::vector<uint8_t> buffer;
-  buffer.resize(kI8Rows * K);
+  buffer.resize(kI8Rows * row_size);
   for (int64_t r = 0; r < kI8Rows; ++r) {
     const int64_t n = n0 + r;
-    uint8_t* row = buffer.data() + r * K;
+    W* row = reinterpret_cast<W*>(buffer.data() + r * row_size);
     if (n < N) {
       const uint8_t* q = qp + n * row_bytes;
       if constexpr (BITS == 8) {
-        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<uint8_t>(q[k] ^ 0x80);  // q + 128
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (XB == 8) row[k] = static_cast<uint8_t>(q[k] ^ 0x80);  // q + 128
+          else row[k] = reinterpret_cast<const int8_t*>(q)[k];
+        }
       } else {
         for (int64_t b = 0; b < K / 32; ++b) {
 #ifdef TG_AVX2
           __m128i lo, hi;
           block_bytes_u8<BITS>(q + b * block_bytes(BITS), lo, hi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32), lo);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32 + 16), hi);
+          if constexpr (XB == 8) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32), lo);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32 + 16), hi);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32), _mm256_cvtepu8_epi16(lo));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32 + 16), _mm256_cvtepu8_epi16(hi));
+          }
 #else
-          for (int64_t k = b * 32; k < (b + 1) * 32; ++k) row[k] = static_cast<uint8_t>(q_at<BITS>(q, k));
+          for (int64_t k = b * 32; k < (b + 1) * 32; ++k) row[k] = static_cast<W>(q_at<BITS>(q, k));
 #endif
         }
       }
     } else {
-      std::memset(row, 0, K);
+      std::memset(row, 0, row_size);
     }
     for (int64_t g = 0; g < groups; ++g) {
       spack[g * kI8Rows + r] = n < N ? to_float(sp[n * groups + g]) : 0.f;
       if (mpack) mpack[g * kI8Rows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
     }
   }
-  int64_t k = 0;
+  int64_t at = 0;  // bytes of each row done
 #ifdef TG_AVX512
-  for (; k + 64 <= K; k += 64) transpose_dwords16(buffer.data() + k, K, wpack + k * kI8Rows);
+  for (; at + 64 <= row_size; at += 64) transpose_dwords16(buffer.data() + at, row_size, wpack + at * kI8Rows);
 #endif
-  for (; k < K; k += 4)
-    for (int64_t r = 0; r < kI8Rows; ++r) std::memcpy(wpack + k * kI8Rows + r * 4, buffer.data() + r * K + k, 4);
+  for (; at < row_size; at += 4)
+    for (int64_t r = 0; r < kI8Rows; ++r)
+      std::memcpy(wpack + at * kI8Rows + r * 4, buffer.data() + r * row_size + at, 4);
 }
 
-// The activations' rounding: xq (M, K), d (M, K / 32), and the span sums X (M, K / F).
-struct I8Activations {
-  std::vector<int8_t> xq;
+// The activations' rounding: xq (M, K) of XB bits (as bytes), d (M, K / 32), and the span sums X (M, K / F).
+struct IntActivations {
+  std::vector<uint8_t> xq;
   std::vector<float> d;
   std::vector<int32_t> sums;
 };
 
 // One interleaved group of 16 rows against activation rows m0..m0 + count, portable: out[m][r].
-void i8_group_portable(const uint8_t* wpack, const float* spack, const float* mpack, const I8Activations& a,
-                       int64_t K, int64_t G, int64_t F, int off, int64_t m0, int64_t count, float* out,
-                       int64_t out_stride, int64_t valid) {
+template <int XB>
+void int_group_portable(const uint8_t* wpack, const float* spack, const float* mpack, const IntActivations& a,
+                        int64_t K, int64_t G, int64_t F, int off, int64_t m0, int64_t count, float* out,
+                        int64_t out_stride, int64_t valid) {
+  using X = typename IntTypes<XB>::X;
+  using W = typename IntTypes<XB>::W;
+  constexpr int64_t per = 4 / static_cast<int64_t>(sizeof(W));  // values per dword
+  const W* w = reinterpret_cast<const W*>(wpack);
   const int64_t spans = K / F;
   for (int64_t m = m0; m < m0 + count; ++m) {
-    const int8_t* xq = a.xq.data() + m * K;
+    const X* xq = reinterpret_cast<const X*>(a.xq.data()) + m * K;
     float acc[kI8Rows] = {};
     for (int64_t s = 0; s < spans; ++s) {
-      const int32_t X = a.sums[m * spans + s];
+      const int32_t Xs = a.sums[m * spans + s];
       const float dm = a.d[m * (K / 32) + s * F / 32];
       const int64_t g = s * F / G;
       for (int64_t r = 0; r < kI8Rows; ++r) {
         int32_t I = 0;
-        for (int64_t k = s * F; k < (s + 1) * F; ++k) I += wpack[(k / 4) * 64 + r * 4 + k % 4] * xq[k];
-        float t = static_cast<float>(I - off * X) * spack[g * kI8Rows + r];
-        if (mpack) t = std::fma(mpack[g * kI8Rows + r], static_cast<float>(X), t);
+        for (int64_t k = s * F; k < (s + 1) * F; ++k)
+          I += static_cast<int32_t>(w[(k / per) * (kI8Rows * per) + r * per + k % per]) * xq[k];
+        float t = static_cast<float>(I - off * Xs) * spack[g * kI8Rows + r];
+        if (mpack) t = std::fma(mpack[g * kI8Rows + r], static_cast<float>(Xs), t);
         acc[r] = std::fma(t, dm, acc[r]);
       }
     }
@@ -931,29 +967,33 @@ void i8_group_portable(const uint8_t* wpack, const float* spack, const float* mp
 // MT activation rows times RV interleaved groups (16 rows each): int32 sums per span in registers,
 // then the span's float step. Built for VNNI whatever the build's flags; called only where the CPU
 // has it (__builtin_cpu_supports).
-template <int MT, int RV, bool MINS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void i8_tile_vnni(
+template <int XB, int MT, int RV, bool MINS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_tile_vnni(
     const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
-    const I8Activations& a, int64_t K, int64_t G, int64_t F, int off, int64_t m0, float* out, int64_t out_stride,
+    const IntActivations& a, int64_t K, int64_t G, int64_t F, int off, int64_t m0, float* out, int64_t out_stride,
     int64_t valid) {
+  constexpr int64_t xb = XB / 8, per = 4 / xb;  // bytes per activation, values per dword
   const int64_t spans = K / F, dstride = K / 32;
   __m512 acc[MT][RV];
   for (int t = 0; t < MT; ++t)
     for (int r = 0; r < RV; ++r) acc[t][r] = _mm512_setzero_ps();
-  const int8_t* xq = a.xq.data() + m0 * K;
+  const uint8_t* xq = a.xq.data() + m0 * K * xb;
   for (int64_t s = 0; s < spans; ++s) {
     __m512i isum[MT][RV];
     for (int t = 0; t < MT; ++t)
       for (int r = 0; r < RV; ++r) isum[t][r] = _mm512_setzero_si512();
-    for (int64_t k = s * F; k < (s + 1) * F; k += 4) {
+    for (int64_t k = s * F; k < (s + 1) * F; k += per) {
       __m512i w[RV];
       for (int r = 0; r < RV; ++r)
-        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * kI8Rows));
+        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * xb * kI8Rows));
       for (int t = 0; t < MT; ++t) {
-        int32_t four;
-        std::memcpy(&four, xq + t * K + k, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        for (int r = 0; r < RV; ++r) isum[t][r] = _mm512_dpbusd_epi32(isum[t][r], w[r], xb);
+        int32_t dword;
+        std::memcpy(&dword, xq + (t * K + k) * xb, 4);
+        const __m512i xv = _mm512_set1_epi32(dword);
+        for (int r = 0; r < RV; ++r) {
+          if constexpr (XB == 8) isum[t][r] = _mm512_dpbusd_epi32(isum[t][r], w[r], xv);
+          else isum[t][r] = _mm512_dpwssd_epi32(isum[t][r], w[r], xv);
+        }
       }
     }
     const int64_t g = s * F / G;
@@ -964,12 +1004,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void i8_tile
     }
     for (int t = 0; t < MT; ++t) {
       const int32_t X = a.sums[(m0 + t) * spans + s];
-      const __m512i offX = _mm512_set1_epi32(off * X);
-      const __m512 Xf = _mm512_set1_ps(static_cast<float>(X));
       const __m512 dm = _mm512_set1_ps(a.d[(m0 + t) * dstride + s * F / 32]);
       for (int r = 0; r < RV; ++r) {
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t][r], offX)), sc[r]);
-        if constexpr (MINS) v = _mm512_fmadd_ps(mn[r], Xf, v);
+        __m512i i = isum[t][r];
+        if (off) i = _mm512_sub_epi32(i, _mm512_set1_epi32(off * X));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(i), sc[r]);
+        if constexpr (MINS) v = _mm512_fmadd_ps(mn[r], _mm512_set1_ps(static_cast<float>(X)), v);
         acc[t][r] = _mm512_fmadd_ps(v, dm, acc[t][r]);
       }
     }
@@ -983,17 +1023,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void i8_tile
     }
 }
 
-template <int RV, bool MINS>
-void i8_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
-                  const I8Activations& a, int64_t M, int64_t K, int64_t G, int64_t F, int off, float* out,
-                  int64_t out_stride, int64_t valid) {
+template <int XB, int RV, bool MINS>
+void int_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
+                   const IntActivations& a, int64_t M, int64_t K, int64_t G, int64_t F, int off, float* out,
+                   int64_t out_stride, int64_t valid) {
   int64_t m = 0;
   for (; m + TG_I8_MT <= M; m += TG_I8_MT)
-    i8_tile_vnni<TG_I8_MT, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m, out + m * out_stride,
-                              out_stride, valid);
+    int_tile_vnni<XB, TG_I8_MT, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
+                                          out + m * out_stride, out_stride, valid);
   for (; m < M; ++m)
-    i8_tile_vnni<1, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m, out + m * out_stride,
-                              out_stride, valid);
+    int_tile_vnni<XB, 1, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
+                                   out + m * out_stride, out_stride, valid);
 }
 
 bool cpu_has_vnni() {
@@ -1002,38 +1042,37 @@ bool cpu_has_vnni() {
 }
 #endif
 
-// x (M, K) float32 -> (M, N) float32, x rounded to int8 (see above).
-at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                          const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
-  const at::Tensor x = product_rows("qlinear_i8", x_in, qweight, scales, mins, bits, group);
-  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
-  const int64_t F = i8_span(group);
-  TORCH_CHECK(F > 0 && K % 32 == 0, "qlinear_i8: needs groups that divide 32 values or are a multiple of them, ",
-              "and a multiple of 32 features; got groups of ", group, " over ", K);
-  at::Tensor out = at::empty({M, N}, x.options());
-  I8Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<int32_t>(M * K / F)};
+template <int XB>
+void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, at::Tensor& out) {
+  using X = typename IntTypes<XB>::X;
+  using W = typename IntTypes<XB>::W;
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), F = i8_span(group);
+  IntActivations a{std::vector<uint8_t>(M * K * sizeof(X)), std::vector<float>(M * K / 32),
+                   std::vector<int32_t>(M * K / F)};
   const float* xp = x.data_ptr<float>();
   std::vector<char> bad(M, 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = xp + m * K;
+      X* xq = reinterpret_cast<X*>(a.xq.data()) + m * K;
       if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
-        bad[m] = 1;  // no int8 rounding of inf or NaN: the row's products are NaN (below)
-        std::fill(a.xq.begin() + m * K, a.xq.begin() + (m + 1) * K, static_cast<int8_t>(0));
+        bad[m] = 1;  // no integer rounding of inf or NaN: the row's products are NaN (below)
+        std::fill(xq, xq + K, static_cast<X>(0));
         std::fill(a.d.begin() + m * (K / 32), a.d.begin() + (m + 1) * (K / 32), 0.f);
       } else {
-        round_to_int8(xm, K, a.xq.data() + m * K, a.d.data() + m * (K / 32));
+        round_to_ints(xm, K, xq, a.d.data() + m * (K / 32));
       }
-      const int8_t* xq = a.xq.data() + m * K;
       for (int64_t s = 0; s < K / F; ++s) {
-        int32_t X = 0;
-        for (int64_t k = s * F; k < (s + 1) * F; ++k) X += xq[k];
-        a.sums[m * (K / F) + s] = X;
+        int32_t sum = 0;
+        for (int64_t k = s * F; k < (s + 1) * F; ++k) sum += xq[k];
+        a.sums[m * (K / F) + s] = sum;
       }
     }
   });
-  const int off = bits == 8 ? 128 : 0;
-  const int64_t groups = K / group, wstride = K * kI8Rows, sstride = groups * kI8Rows;
+  const int off = XB == 8 && bits == 8 ? 128 : 0;
+  const int64_t groups = K / group, wstride = K * static_cast<int64_t>(sizeof(W)) * kI8Rows,
+                sstride = groups * kI8Rows;
   dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
     constexpr int BITS = decltype(bits_tag)::value;
     using S = decltype(scale_tag);
@@ -1041,7 +1080,7 @@ at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, con
     const S* sp = static_cast<const S*>(scales.data_ptr());
     const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
     float* op = out.data_ptr<float>();
-    // Two interleaved groups (32 rows) per task: their bytes (~20-64 KB) stay in L1/L2 while every
+    // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
     // activation row passes over them.
     constexpr int64_t kGroups = TG_I8_RV;
     const int64_t slabs = (N + kGroups * kI8Rows - 1) / (kGroups * kI8Rows);
@@ -1053,8 +1092,9 @@ at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, con
         const int64_t valid = std::min<int64_t>(kGroups * kI8Rows, N - n0);
         const int64_t used = (valid + kI8Rows - 1) / kI8Rows;
         for (int64_t j = 0; j < used; ++j)
-          pack_i8_rows<BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kI8Rows, wpack.data() + j * wstride,
-                             spack.data() + j * sstride, mp ? mpack.data() + j * sstride : nullptr);
+          pack_int_rows<XB, BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kI8Rows,
+                                  wpack.data() + j * wstride, spack.data() + j * sstride,
+                                  mp ? mpack.data() + j * sstride : nullptr);
         const float* mpk = mp ? mpack.data() : nullptr;
 #ifdef TG_VNNI
         if (cpu_has_vnni()) {
@@ -1062,11 +1102,11 @@ at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, con
             constexpr int RV = decltype(rv)::value;
             const float* mj = mp ? mpk + j * sstride : nullptr;
             if (mp)
-              i8_rows_vnni<RV, true>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj, sstride,
-                                     a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+              int_rows_vnni<XB, RV, true>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
+                                          sstride, a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
             else
-              i8_rows_vnni<RV, false>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj, sstride,
-                                      a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+              int_rows_vnni<XB, RV, false>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
+                                           sstride, a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
           };
           if (used == kGroups) {
             run(std::integral_constant<int, kGroups>{}, 0, valid);
@@ -1078,14 +1118,28 @@ at::Tensor qlinear_i8_cpu(const at::Tensor& x_in, const at::Tensor& qweight, con
         }
 #endif
         for (int64_t j = 0; j < used; ++j)
-          i8_group_portable(wpack.data() + j * wstride, spack.data() + j * sstride,
-                            mp ? mpack.data() + j * sstride : nullptr, a, K, group, F, off, 0, M,
-                            op + n0 + j * kI8Rows, N, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
+          int_group_portable<XB>(wpack.data() + j * wstride, spack.data() + j * sstride,
+                                 mp ? mpack.data() + j * sstride : nullptr, a, K, group, F, off, 0, M,
+                                 op + n0 + j * kI8Rows, N, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
       }
     });
   });
   for (int64_t m = 0; m < M; ++m)
     if (bad[m]) out[m].fill_(std::numeric_limits<float>::quiet_NaN());
+}
+
+// x (M, K) float32 -> (M, N) float32, x rounded to x_bits-bit integers (see above).
+at::Tensor qlinear_int_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t x_bits) {
+  const at::Tensor x = product_rows("qlinear_int", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
+  TORCH_CHECK(x_bits == 8 || x_bits == 16, "qlinear_int: x_bits must be 8 or 16, got ", x_bits);
+  TORCH_CHECK(i8_span(group) > 0 && K % 32 == 0,
+              "qlinear_int: needs groups that divide 32 values or are a multiple of them, and a multiple of 32 ",
+              "features; got groups of ", group, " over ", K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (x_bits == 8) qlinear_int_impl<8>(x, qweight, scales, mins, bits, group, out);
+  else qlinear_int_impl<16>(x, qweight, scales, mins, bits, group, out);
   auto shape = x_in.sizes().vec();
   shape.back() = N;
   return out.view(shape);
@@ -1424,7 +1478,7 @@ TORCH_LIBRARY_IMPL(torchgemma, CPU, m) {
   m.impl("qlinear", &qlinear_cpu);
   m.impl("dequantize", &dequantize_cpu);
   m.impl("qlinear_dense", &qlinear_dense_cpu);
-  m.impl("qlinear_i8", &qlinear_i8_cpu);
+  m.impl("qlinear_int", &qlinear_int_cpu);
   m.impl("qlinear_bounds", &qlinear_bounds_cpu);
   m.impl("row_norms", &row_norms_cpu);
   m.impl("bounded_candidates", &bounded_candidates_cpu);
