@@ -433,6 +433,19 @@ def test_integer_activations_on_a_model(text_checkpoints):
         torchgemma.load(folder, quantize="int8", activations="int4")
 
 
+def test_integer_activations_without_vnni(text_checkpoints, monkeypatch):
+    """Without VNNI "auto" keeps float activations, and asking for integer ones says what it costs."""
+    from torchgemma.quantization import set_activations
+
+    monkeypatch.setattr(torchgemma.quantization, "vnni_available", lambda: False)
+    model = torchgemma.load(text_checkpoints["31b"], quantize="int4")
+    up = model.language_model.layers[0].mlp.up_proj
+    assert up.activation_bits == 0
+    with pytest.warns(RuntimeWarning, match='activations="int8" without AVX-512 VNNI .* slower than float'):
+        set_activations(model, "int8")
+    assert up.activation_bits == 8
+
+
 # ── the transform on tiny checkpoints ───────────────────────────────────────────────────────────
 
 

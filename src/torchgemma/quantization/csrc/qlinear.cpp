@@ -949,10 +949,16 @@ void int_group_portable(const uint8_t* wpack, const float* spack, const float* m
       const int32_t Xs = a.sums[m * spans + s];
       const float dm = a.d[m * (K / 32) + s * F / 32];
       const int64_t g = s * F / G;
+      int32_t sums[kI8Rows] = {};
+      for (int64_t k = s * F; k < (s + 1) * F; k += per) {  // rows innermost: the compiler vectorizes
+        const W* wk = w + k * kI8Rows;
+        for (int64_t j = 0; j < per; ++j) {
+          const int32_t xj = xq[k + j];
+          for (int64_t r = 0; r < kI8Rows; ++r) sums[r] += static_cast<int32_t>(wk[r * per + j]) * xj;
+        }
+      }
       for (int64_t r = 0; r < kI8Rows; ++r) {
-        int32_t I = 0;
-        for (int64_t k = s * F; k < (s + 1) * F; ++k)
-          I += static_cast<int32_t>(w[(k / per) * (kI8Rows * per) + r * per + k % per]) * xq[k];
+        const int32_t I = sums[r];
         float t = static_cast<float>(I - off * Xs) * spack[g * kI8Rows + r];
         if (mpack) t = std::fma(mpack[g * kI8Rows + r], static_cast<float>(Xs), t);
         acc[r] = std::fma(t, dm, acc[r]);
