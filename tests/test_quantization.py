@@ -640,6 +640,21 @@ def test_quantized_experts_grouped_and_gathered_paths_agree(text_checkpoints):
         grouped = layer.experts.grouped(x, weights, experts)
         gathered = layer.experts.gathered(x, weights, experts)
     assert (grouped - gathered).abs().max() <= 1e-5 * grouped.abs().max()
+    # A prefill's worth of rows: experts with 16 rows or more take the dense product (float32: the
+    # same sums to rounding), or with integer activations the integer one (the activations rounded).
+    from torchgemma.quantization import set_activations
+
+    x = torch.randn(96, model.config.text.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        weights, experts = layer.router(x)
+        assert torch.bincount(experts.flatten()).max() >= 16
+        set_activations(model, None)
+        grouped = layer.experts.grouped(x, weights, experts)
+        gathered = layer.experts.gathered(x, weights, experts)
+        assert (grouped - gathered).abs().max() <= 1e-5 * grouped.abs().max()
+        set_activations(model, "int8")
+        rounded = layer.experts.grouped(x, weights, experts)
+    assert 1e-5 * grouped.abs().max() < (rounded - gathered).abs().max() <= 0.05 * grouped.abs().max()
 
 
 @pytest.mark.parametrize(("style", "mode"), [("e2b", "int8"), ("31b", "int4"), ("26b", "int8")])

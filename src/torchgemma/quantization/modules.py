@@ -103,10 +103,15 @@ class QuantizedWeight(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> x @ W.T (..., N), in the model's dtype."""
-        f = self.format
         # (The buffers read from _buffers: this runs ~130 times per decoded token.)
         buffers = self._buffers
-        args = (x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size)
+        return self._product(x, buffers["qweight"], buffers["scales"], buffers["mins"])
+
+    def _product(self, x: torch.Tensor, qweight, scales, mins) -> torch.Tensor:
+        """x @ W.T for these buffers (all of this weight's, or an expert's rows): the row kernel below
+        DENSE_ROWS rows, else the dense or integer-activation product."""
+        f = self.format
+        args = (x, qweight, scales, mins, f.bits, f.group_size)
         if x.numel() >= DENSE_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
             if self.activation_bits:
                 out = torch.ops.torchgemma.qlinear_int.default(*args, self.activation_bits)
@@ -300,9 +305,10 @@ class QuantizedStack(QuantizedWeight):
         return None if buffer is None else buffer[expert * n : (expert + 1) * n]
 
     def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        f = self.format
+        """Expert ``expert``'s x @ W.T: as ``matmul``, so that an expert's many rows in a prefill take
+        the dense or integer-activation product."""
         parts = [self._part(name, expert) for name in ("qweight", "scales", "mins")]
-        return torch.ops.torchgemma.qlinear(x, *parts, f.bits, f.group_size).to(x.dtype)
+        return self._product(x, *parts).to(x.dtype)
 
     def __getitem__(self, experts: torch.Tensor) -> torch.Tensor:
         """Experts ``experts`` (any shape) dequantized: (*experts.shape, N, K) in the model's dtype."""
