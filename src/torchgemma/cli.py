@@ -248,8 +248,8 @@ def _quantized(model) -> str:
     if not quantization:
         return ""
     bits = max((getattr(m, "activation_bits", 0) for m in model.modules()), default=0)
-    prefill = f", int{bits} prefill activations" if bits else ""
-    return f" activations, {quantization['mode']} weights ({len(quantization['layers'])} layers){prefill}"
+    prefill = f" (int{bits} in prefill products)" if bits else ""
+    return f" activations{prefill}, {quantization['mode']} weights ({len(quantization['layers'])} layers)"
 
 
 def _sampling(args: argparse.Namespace, llm) -> dict:
