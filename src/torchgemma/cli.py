@@ -637,7 +637,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float", "int16", "int8"],
         default="auto",
         help="a quantized model's prefill on the CPU: int16 (float32's accuracy, ~1.6x faster with AVX-512 "
-        "VNNI), int8 (llama.cpp's arithmetic: ~2.5x, slightly less accurate), float (the model's dtype); "
+        "VNNI), int8 (llama.cpp's arithmetic: ~2.2x, slightly less accurate), float (the model's dtype); "
         "auto (default): int16 where the CPU has AVX-512 VNNI, else float",
     )
 

@@ -6,7 +6,7 @@
 What is quantized: the text decoder's linear layers, its token table (which is also the tied LM
 head, about half the bytes of a small model), the per-layer-embedding table and the stacked weights
 of the experts. What is not: norms, the MoE router, soft-caps, the vision and audio towers.
-Activations stay in the model's dtype (unless int8 activations are asked for, below); products
+Activations stay in the model's dtype (unless integer activations are asked for, below); products
 accumulate in float32.
 
 Modes (``MODES``):
@@ -23,8 +23,8 @@ Modes (``MODES``):
 Integer activations (``activations=`` of ``quantize`` and ``load``; ``set_activations``): products of
 16 rows or more (a prompt's prefill, not a decode step) may round their activations to integers per
 32 values and multiply integers. ``"int16"`` keeps the float32 products' perplexity and greedy tokens
-(measured on Gemma 3 270M) at ~1.6x their speed; ``"int8"`` is llama.cpp's arithmetic, ~2.5x, with
-its small loss of accuracy; None keeps float activations. ``"auto"`` (the default) is int16 where the
+(measured on Gemma 3 270M) at ~1.6x the float prefill's speed; ``"int8"`` is llama.cpp's arithmetic,
+~2.2x, with its small loss of accuracy; None keeps float activations. ``"auto"`` (the default) is int16 where the
 CPU has AVX-512 VNNI, else None (benchmarks/README.md measures all three).
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..model.text import Attention, Experts
-from .kernels import ensure_kernels, kernel_status, vnni_available
+from .kernels import ensure_kernels, int_span, kernel_status, vnni_available
 from .modules import (
     FUSED_ATTENTION,
     Format,
@@ -56,6 +56,7 @@ ACTIVATIONS = ("auto", None, "int16", "int8")
 __all__ = [
     "ACTIVATIONS",
     "MODES",
+    "check_activations",
     "choose_formats",
     "record",
     "Format",
@@ -142,8 +143,7 @@ def quantize(
     how products of 16 rows or more (prefill) take their activations (``set_activations``; "auto":
     int16 where the CPU has AVX-512 VNNI). Returns the model.
     """
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
+    check_activations(activations)
     if mode == "gguf" or mode not in MODES:
         mode_format(mode, group_size, 0)  # the error for a bad or load-only mode
     dtype = model.dtype if hasattr(model, "dtype") else torch.float32
@@ -171,16 +171,15 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
       else None;
     * ``"int16"``: rounded to int16 per 32 values, then integer products (``torchgemma::qlinear_int``):
       on Gemma 3 270M the float32 products' perplexity to 4 decimals and greedy tokens, ~1.6x
-      their speed on CPUs with AVX-512 VNNI (slower than float32 elsewhere);
-    * ``"int8"``: rounded to int8 per 32 values (llama.cpp's arithmetic): ~2.5x the float32
-      products' speed with VNNI, perplexity +0.2% and greedy tokens that part from full precision's
-      within a few dozen tokens of a long prompt, as llama.cpp's do;
+      the float prefill's speed on CPUs with AVX-512 VNNI (slower than float32 elsewhere);
+    * ``"int8"``: rounded to int8 per 32 values (llama.cpp's arithmetic): ~2.2x the float prefill's
+      speed with VNNI, perplexity +0.24% and greedy tokens that part from full precision's within a
+      few tokens of a long prompt, as llama.cpp's do;
     * None: in the model's dtype (the reference's products, to float32 rounding).
 
     Decode steps (fewer rows) are not affected. A weight whose groups do not split into spans of 32
     values (or divide 32), or whose rows are not a multiple of 32 values, keeps float activations."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
+    check_activations(activations)
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
     if activations == "auto":
         cpu = bool(weights) and model_device(model).type == "cpu"
@@ -203,10 +202,14 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
             stacklevel=2,
         )
     for module in weights:
-        group, features = module.format.group_size, module.weight_shape[-1]
-        spans = group % 32 == 0 or 32 % group == 0
-        module.activation_bits = bits if spans and features % 32 == 0 else 0
+        module.activation_bits = bits if int_span(module.format.group_size, module.weight_shape[-1]) else 0
     return model
+
+
+def check_activations(activations) -> None:
+    """The error for an ``activations=`` that is not one of ``ACTIVATIONS`` (before any work)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
 
 
 def fuse_ops(model: nn.Module) -> nn.Module:

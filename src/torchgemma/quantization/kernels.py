@@ -20,6 +20,7 @@ pure-PyTorch kernel is used and ``kernel_status()`` says why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -43,7 +44,7 @@ _LIBRARY.define(
     "qlinear_dense(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
 )
 # x @ W.T with x rounded to x_bits-bit integers (8 or 16) per 32 values, for calls of many rows
-# (QuantizedWeight.activations; csrc/qlinear.cpp defines the arithmetic).
+# (QuantizedWeight.activation_bits; csrc/qlinear.cpp defines the arithmetic).
 _LIBRARY.define(
     "qlinear_int(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, int x_bits) "
     "-> Tensor"
@@ -132,12 +133,21 @@ def round_to_ints(x: torch.Tensor, x_bits: int = 8) -> tuple[torch.Tensor, torch
     return xq.flatten(-2).to(dtype), d
 
 
+def int_span(group_size: int, features: int) -> int:
+    """qlinear_int's span for a weight (values under one activation scale and one weight scale): 32,
+    or the group where it divides 32; 0 where there is none (the group neither divides 32 nor is a
+    multiple of it, or the rows are not whole blocks of 32)."""
+    if features % 32:
+        return 0
+    return 32 if group_size % 32 == 0 else group_size if 32 % group_size == 0 else 0
+
+
 def _qlinear_int_reference(x, qweight, scales, mins, bits: int, group_size: int, x_bits: int) -> torch.Tensor:
     """qlinear_int's arithmetic in float64 (csrc/qlinear.cpp): each span's integer sums are exact, the
     scales applied in float64, so this differs from the C++ kernels by their float32 rounding."""
     k = _check(qweight, scales, mins, bits, group_size)
-    span = 32 if group_size % 32 == 0 else group_size
-    if k % 32 or 32 % span:
+    span = int_span(group_size, k)
+    if not span:
         raise ValueError(f"qlinear_int: groups of {group_size} over {k} features have no spans")
     if x_bits not in (8, 16):
         raise ValueError(f"qlinear_int: x_bits must be 8 or 16, got {x_bits}")
@@ -323,8 +333,11 @@ def _build(library: Path) -> None:
 def vnni_available() -> bool:
     """Whether the C++ kernels run integer products with AVX-512 VNNI here (qlinear_int's fast path):
     built for AVX-512, on a CPU that reports avx512_vnni (Linux's /proc/cpuinfo; elsewhere False)."""
-    if "-mavx512f" not in _cpu_flags() or not ensure_kernels():
-        return False
+    return "-mavx512f" in _cpu_flags() and _cpu_reports_vnni() and ensure_kernels()
+
+
+@functools.cache
+def _cpu_reports_vnni() -> bool:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             return any(line.startswith("flags") and " avx512_vnni" in line for line in cpuinfo)

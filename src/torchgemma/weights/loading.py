@@ -26,10 +26,10 @@ from ..model import Gemma
 from ..model.text import ATTENTION_BACKENDS
 from ..placement import offload_per_layer_table
 from ..quantization import (
-    ACTIVATIONS,
     MODES,
     Format,
     QuantizedWeight,
+    check_activations,
     choose_formats,
     ensure_kernels,
     fuse_ops,
@@ -111,7 +111,7 @@ def load(
     otherwise; None never quantizes. A checkpoint saved quantized by ``torchgemma.save`` loads as saved.
     ``activations`` (a quantized model on the CPU): how products of 16 rows or more (prefill) take
     their activations (``torchgemma.quantization.set_activations``): ``"int16"`` (float32's accuracy,
-    ~1.6x faster with AVX-512 VNNI), ``"int8"`` (llama.cpp's arithmetic: ~2.5x, slightly less
+    ~1.6x faster with AVX-512 VNNI), ``"int8"`` (llama.cpp's arithmetic: ~2.2x, slightly less
     accurate), None (the model's dtype); ``"auto"`` (the default): int16 where the CPU has AVX-512
     VNNI, else None.
 
@@ -128,8 +128,7 @@ def load(
         quantize = auto_quantization(source)
     if quantize is not None and quantize not in MODES:
         raise ValueError(f"unknown quantization {quantize!r}; use one of {', '.join(MODES)}, 'auto' or None")
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {activations!r}; use 'auto', 'int16', 'int8' or None")
+    check_activations(activations)
     model = _load(source, requested, device, attention, progress, quantize, per_layer_table)
     return set_activations(model, activations)
 

@@ -671,11 +671,9 @@ void round_to_ints(const float* x, int64_t K, X* xq, float* d) {
   }
 }
 
-void round_to_int8(const float* x, int64_t K, int8_t* xq, float* d) { round_to_ints(x, K, xq, d); }
-
-// round_to_int8, and ||x - d xq||, ||x||, ||d xq||.
+// round_to_ints (int8), and ||x - d xq||, ||x||, ||d xq||.
 std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
-  round_to_int8(x, K, xq, d);
+  round_to_ints(x, K, xq, d);
   double err = 0, norm = 0, approx = 0;
   for (int64_t k = 0; k < K; ++k) {
     const double back = static_cast<double>(d[k / 32]) * xq[k];
@@ -822,21 +820,18 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
 // For VNNI the integers of 16 rows are interleaved a dword at a time (one 64-byte load holds values
 // k..k+3 (bytes) or k..k+1 (int16) of each row), a slab of rows at a time, in each thread's own buffer.
 
-#ifndef TG_I8_MT
-#define TG_I8_MT 4
-#endif
-#ifndef TG_I8_RV
-#define TG_I8_RV 2
-#endif
-constexpr int64_t kI8Rows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
+constexpr int64_t kIntRows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
+// A VNNI tile: this many activation rows times this many interleaved groups (4 x 2: tiles of 6 x 2,
+// 4 x 3, 3 x 4, 8 x 1 and 5 x 2 measured within noise of it, for both widths).
+constexpr int kTileRows = 4, kTileGroups = 2;
 
 // A span's length for a weight group G (0: no span fits, G neither divides 32 nor is a multiple).
-inline int64_t i8_span(int64_t G) { return G % 32 == 0 ? 32 : (32 % G == 0 ? G : 0); }
+inline int64_t int_span(int64_t G) { return G % 32 == 0 ? 32 : (32 % G == 0 ? G : 0); }
 
 // The integer types of x_bits 8 and 16: activations, and weights as the products take them.
 template <int XB> struct IntTypes;
-template <> struct IntTypes<8> { using X = int8_t; using W = uint8_t; static constexpr int kLevels = 127; };
-template <> struct IntTypes<16> { using X = int16_t; using W = int16_t; static constexpr int kLevels = 32767; };
+template <> struct IntTypes<8> { using X = int8_t; using W = uint8_t; };
+template <> struct IntTypes<16> { using X = int16_t; using W = int16_t; };
 
 #ifdef TG_AVX512
 // 16 rows of 16 dwords (at src + r * stride) -> dst[j * 16 + r] = row r's dword j: the 16 x 16 transpose,
@@ -880,8 +875,8 @@ void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_byte
   using W = typename IntTypes<XB>::W;
   const int64_t groups = K / G, row_size = K * static_cast<int64_t>(sizeof(W));
   thread_local std::vector<uint8_t> buffer;
-  buffer.resize(kI8Rows * row_size);
-  for (int64_t r = 0; r < kI8Rows; ++r) {
+  buffer.resize(kIntRows * row_size);
+  for (int64_t r = 0; r < kIntRows; ++r) {
     const int64_t n = n0 + r;
     W* row = reinterpret_cast<W*>(buffer.data() + r * row_size);
     if (n < N) {
@@ -912,17 +907,17 @@ void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_byte
       std::memset(row, 0, row_size);
     }
     for (int64_t g = 0; g < groups; ++g) {
-      spack[g * kI8Rows + r] = n < N ? to_float(sp[n * groups + g]) : 0.f;
-      if (mpack) mpack[g * kI8Rows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
+      spack[g * kIntRows + r] = n < N ? to_float(sp[n * groups + g]) : 0.f;
+      if (mpack) mpack[g * kIntRows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
     }
   }
   int64_t at = 0;  // bytes of each row done
 #ifdef TG_AVX512
-  for (; at + 64 <= row_size; at += 64) transpose_dwords16(buffer.data() + at, row_size, wpack + at * kI8Rows);
+  for (; at + 64 <= row_size; at += 64) transpose_dwords16(buffer.data() + at, row_size, wpack + at * kIntRows);
 #endif
   for (; at < row_size; at += 4)
-    for (int64_t r = 0; r < kI8Rows; ++r)
-      std::memcpy(wpack + at * kI8Rows + r * 4, buffer.data() + r * row_size + at, 4);
+    for (int64_t r = 0; r < kIntRows; ++r)
+      std::memcpy(wpack + at * kIntRows + r * 4, buffer.data() + r * row_size + at, 4);
 }
 
 // The activations' rounding: xq (M, K) of XB bits (as bytes), d (M, K / 32), and the span sums X (M, K / F).
@@ -944,23 +939,23 @@ void int_group_portable(const uint8_t* wpack, const float* spack, const float* m
   const int64_t spans = K / F;
   for (int64_t m = m0; m < m0 + count; ++m) {
     const X* xq = reinterpret_cast<const X*>(a.xq.data()) + m * K;
-    float acc[kI8Rows] = {};
+    float acc[kIntRows] = {};
     for (int64_t s = 0; s < spans; ++s) {
       const int32_t Xs = a.sums[m * spans + s];
       const float dm = a.d[m * (K / 32) + s * F / 32];
       const int64_t g = s * F / G;
-      int32_t sums[kI8Rows] = {};
+      int32_t sums[kIntRows] = {};
       for (int64_t k = s * F; k < (s + 1) * F; k += per) {  // rows innermost: the compiler vectorizes
-        const W* wk = w + k * kI8Rows;
+        const W* wk = w + k * kIntRows;
         for (int64_t j = 0; j < per; ++j) {
           const int32_t xj = xq[k + j];
-          for (int64_t r = 0; r < kI8Rows; ++r) sums[r] += static_cast<int32_t>(wk[r * per + j]) * xj;
+          for (int64_t r = 0; r < kIntRows; ++r) sums[r] += static_cast<int32_t>(wk[r * per + j]) * xj;
         }
       }
-      for (int64_t r = 0; r < kI8Rows; ++r) {
+      for (int64_t r = 0; r < kIntRows; ++r) {
         const int32_t I = sums[r];
-        float t = static_cast<float>(I - off * Xs) * spack[g * kI8Rows + r];
-        if (mpack) t = std::fma(mpack[g * kI8Rows + r], static_cast<float>(Xs), t);
+        float t = static_cast<float>(I - off * Xs) * spack[g * kIntRows + r];
+        if (mpack) t = std::fma(mpack[g * kIntRows + r], static_cast<float>(Xs), t);
         acc[r] = std::fma(t, dm, acc[r]);
       }
     }
@@ -991,7 +986,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_til
     for (int64_t k = s * F; k < (s + 1) * F; k += per) {
       __m512i w[RV];
       for (int r = 0; r < RV; ++r)
-        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * xb * kI8Rows));
+        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * xb * kIntRows));
       for (int t = 0; t < MT; ++t) {
         int32_t dword;
         std::memcpy(&dword, xq + (t * K + k) * xb, 4);
@@ -1005,8 +1000,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_til
     const int64_t g = s * F / G;
     __m512 sc[RV], mn[RV];
     for (int r = 0; r < RV; ++r) {
-      sc[r] = _mm512_loadu_ps(spack + r * sstride + g * kI8Rows);
-      if constexpr (MINS) mn[r] = _mm512_loadu_ps(mpack + r * sstride + g * kI8Rows);
+      sc[r] = _mm512_loadu_ps(spack + r * sstride + g * kIntRows);
+      if constexpr (MINS) mn[r] = _mm512_loadu_ps(mpack + r * sstride + g * kIntRows);
     }
     for (int t = 0; t < MT; ++t) {
       const int32_t X = a.sums[(m0 + t) * spans + s];
@@ -1022,9 +1017,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_til
   }
   for (int t = 0; t < MT; ++t)
     for (int r = 0; r < RV; ++r) {
-      const int64_t lanes = std::min<int64_t>(kI8Rows, valid - r * kI8Rows);
+      const int64_t lanes = std::min<int64_t>(kIntRows, valid - r * kIntRows);
       if (lanes <= 0) continue;
-      _mm512_mask_storeu_ps(out + t * out_stride + r * kI8Rows, static_cast<__mmask16>((1u << lanes) - 1u),
+      _mm512_mask_storeu_ps(out + t * out_stride + r * kIntRows, static_cast<__mmask16>((1u << lanes) - 1u),
                             acc[t][r]);
     }
 }
@@ -1034,8 +1029,8 @@ void int_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, co
                    const IntActivations& a, int64_t M, int64_t K, int64_t G, int64_t F, int off, float* out,
                    int64_t out_stride, int64_t valid) {
   int64_t m = 0;
-  for (; m + TG_I8_MT <= M; m += TG_I8_MT)
-    int_tile_vnni<XB, TG_I8_MT, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
+  for (; m + kTileRows <= M; m += kTileRows)
+    int_tile_vnni<XB, kTileRows, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
                                           out + m * out_stride, out_stride, valid);
   for (; m < M; ++m)
     int_tile_vnni<XB, 1, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
@@ -1053,7 +1048,7 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
                       const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, at::Tensor& out) {
   using X = typename IntTypes<XB>::X;
   using W = typename IntTypes<XB>::W;
-  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), F = i8_span(group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), F = int_span(group);
   IntActivations a{std::vector<uint8_t>(M * K * sizeof(X)), std::vector<float>(M * K / 32),
                    std::vector<int32_t>(M * K / F)};
   const float* xp = x.data_ptr<float>();
@@ -1077,8 +1072,8 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     }
   });
   const int off = XB == 8 && bits == 8 ? 128 : 0;
-  const int64_t groups = K / group, wstride = K * static_cast<int64_t>(sizeof(W)) * kI8Rows,
-                sstride = groups * kI8Rows;
+  const int64_t groups = K / group, wstride = K * static_cast<int64_t>(sizeof(W)) * kIntRows,
+                sstride = groups * kIntRows;
   dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
     constexpr int BITS = decltype(bits_tag)::value;
     using S = decltype(scale_tag);
@@ -1088,17 +1083,17 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     float* op = out.data_ptr<float>();
     // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
     // activation row passes over them.
-    constexpr int64_t kGroups = TG_I8_RV;
-    const int64_t slabs = (N + kGroups * kI8Rows - 1) / (kGroups * kI8Rows);
+    constexpr int64_t kGroups = kTileGroups;
+    const int64_t slabs = (N + kGroups * kIntRows - 1) / (kGroups * kIntRows);
     at::parallel_for(0, slabs, 1, [&](int64_t b0, int64_t b1) {
       std::vector<uint8_t> wpack(kGroups * wstride);
       std::vector<float> spack(kGroups * sstride), mpack(mp ? kGroups * sstride : 0);
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * kGroups * kI8Rows;
-        const int64_t valid = std::min<int64_t>(kGroups * kI8Rows, N - n0);
-        const int64_t used = (valid + kI8Rows - 1) / kI8Rows;
+        const int64_t n0 = b * kGroups * kIntRows;
+        const int64_t valid = std::min<int64_t>(kGroups * kIntRows, N - n0);
+        const int64_t used = (valid + kIntRows - 1) / kIntRows;
         for (int64_t j = 0; j < used; ++j)
-          pack_int_rows<XB, BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kI8Rows,
+          pack_int_rows<XB, BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kIntRows,
                                   wpack.data() + j * wstride, spack.data() + j * sstride,
                                   mp ? mpack.data() + j * sstride : nullptr);
         const float* mpk = mp ? mpack.data() : nullptr;
@@ -1109,16 +1104,16 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
             const float* mj = mp ? mpk + j * sstride : nullptr;
             if (mp)
               int_rows_vnni<XB, RV, true>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
-                                          sstride, a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+                                          sstride, a, M, K, group, F, off, op + n0 + j * kIntRows, N, rows);
             else
               int_rows_vnni<XB, RV, false>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
-                                           sstride, a, M, K, group, F, off, op + n0 + j * kI8Rows, N, rows);
+                                           sstride, a, M, K, group, F, off, op + n0 + j * kIntRows, N, rows);
           };
           if (used == kGroups) {
             run(std::integral_constant<int, kGroups>{}, 0, valid);
           } else {  // the last rows: a group at a time
             for (int64_t j = 0; j < used; ++j)
-              run(std::integral_constant<int, 1>{}, j, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
+              run(std::integral_constant<int, 1>{}, j, std::min<int64_t>(kIntRows, valid - j * kIntRows));
           }
           continue;
         }
@@ -1126,7 +1121,7 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
         for (int64_t j = 0; j < used; ++j)
           int_group_portable<XB>(wpack.data() + j * wstride, spack.data() + j * sstride,
                                  mp ? mpack.data() + j * sstride : nullptr, a, K, group, F, off, 0, M,
-                                 op + n0 + j * kI8Rows, N, std::min<int64_t>(kI8Rows, valid - j * kI8Rows));
+                                 op + n0 + j * kIntRows, N, std::min<int64_t>(kIntRows, valid - j * kIntRows));
       }
     });
   });
@@ -1140,7 +1135,7 @@ at::Tensor qlinear_int_cpu(const at::Tensor& x_in, const at::Tensor& qweight, co
   const at::Tensor x = product_rows("qlinear_int", x_in, qweight, scales, mins, bits, group);
   const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
   TORCH_CHECK(x_bits == 8 || x_bits == 16, "qlinear_int: x_bits must be 8 or 16, got ", x_bits);
-  TORCH_CHECK(i8_span(group) > 0 && K % 32 == 0,
+  TORCH_CHECK(int_span(group) > 0 && K % 32 == 0,
               "qlinear_int: needs groups that divide 32 values or are a multiple of them, and a multiple of 32 ",
               "features; got groups of ", group, " over ", K);
   at::Tensor out = at::empty({M, N}, x.options());
