@@ -32,7 +32,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from torchgemma.quantization import Format, ensure_kernels, kernel_status, kernels, quantize_rtn
+from torchgemma import kernels
+from torchgemma.quantization import Format, ensure_kernels, kernel_status, quantize_rtn
 
 SHAPES = {"lm head 262144x640": (262144, 640), "mlp up 2048x640": (2048, 640)}
 

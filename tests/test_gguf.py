@@ -923,7 +923,8 @@ _GROUPED = {  # GGML type -> (bits, scale dtype on moderate fp16 scales)
 def test_grouped_ints_dequantize_to_the_files_values(qtype):
     """Each type's blocks as grouped integers: scale * q + min is the file's dequantized value to the
     bit, in the C++ and the pure-PyTorch dequantizer; scales are float16 where the file's are."""
-    from torchgemma.quantization import ensure_kernels, kernels
+    from torchgemma import kernels
+    from torchgemma.kernels import ensure_kernels
     from torchgemma.weights.gguf import INT_TYPES, grouped_ints
 
     raw = random_blocks(qtype, (6, 512), np.random.default_rng(3))
@@ -947,7 +948,7 @@ def test_grouped_ints_convert_in_slabs_and_widen_scales_when_one_is_not_half(mon
     """Rows are converted a slab at a time (each slab's file bytes released after): over several
     slabs the values are the file's, and a slab whose offsets float16 cannot hold (here the last,
     one huge d) turns the tensor's scales and offsets to float32, earlier slabs widened exactly."""
-    from torchgemma.quantization import kernels
+    from torchgemma import kernels
     from torchgemma.weights.gguf import grouped_ints
 
     rows, cols = 300, 512

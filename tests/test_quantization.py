@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 import torchgemma
 from checkpoints import STYLES
+from torchgemma import kernels
 from torchgemma.config import ConfigError
 from torchgemma.model.text import Embedding
 from torchgemma.quantization import (
@@ -27,7 +28,6 @@ from torchgemma.quantization import (
     QuantizedLinear,
     QuantizedStack,
     ensure_kernels,
-    kernels,
     quantize,
     quantize_rtn,
 )
@@ -212,7 +212,7 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
     script = textwrap.dedent(
         """
         import warnings, torch
-        from torchgemma.quantization import kernels
+        from torchgemma import kernels
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert kernels.ensure_kernels() is False
@@ -244,7 +244,7 @@ _PRODUCTS = textwrap.dedent(
     """
     import sys, torch
     from safetensors.torch import save_file
-    from torchgemma.quantization import kernels
+    from torchgemma import kernels
     assert kernels.ensure_kernels(), kernels.kernel_status()
     gen = torch.Generator().manual_seed(5)
     out = {}

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..model.text import Attention, Experts
-from .kernels import ensure_kernels, int_span, kernel_status, vnni_available
+from ..kernels import ensure_kernels, int_span, kernel_status, vnni_available
 from .modules import (
     FUSED_ATTENTION,
     Format,

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..model.layers import RMSNorm, apply_rope
 from ..model.text import ATTENTION, AttentionInputs, sdpa_backend
-from . import kernels
+from .. import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
 # time (qlinear_dense): from here on it beats re-reading the integers row block by row block
