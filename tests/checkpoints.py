@@ -77,6 +77,21 @@ STYLES: dict[str, dict] = {
     ),
 }
 
+# Gemma 4 12B "unified" (gemma4_unified) decoder styles: the 12B's own (K=V full layers, one global
+# KV head, 5:1) and one with KV sharing and the double-wide MLP, which Gemma4UnifiedTextConfig also
+# accepts.
+UNIFIED_STYLES = {
+    "12b": {k: v for k, v in STYLES["31b"].items() if k != "hidden_size_per_layer_input"},
+    "kv-shared": dict(
+        num_hidden_layers=8,
+        layer_types=([SLIDING] * 3 + [FULL]) * 2,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+    ),
+}
+
 TINY_VISION = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -316,3 +331,48 @@ def reference_model(folder: Path, dtype=torch.float32):
         folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
     )
     return model.eval()
+
+
+# Parity checks shared by the logits tests: a padded batch, transformers' logits on it, the tolerance.
+
+
+def padded_batch(seed: int, length: int = 17):
+    """Two rows longer than the sliding window (5); the second is left-padded by 4."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (2, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[1, :4] = 0
+    return ids, mask
+
+
+def reference_logits(ref, ids, mask, **kwargs):
+    # Positions follow the mask, as in transformers' generate().
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        return ref(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
+
+
+def assert_match(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
+    """float32 to 1e-5, bfloat16 to the bit."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, ref), f"bf16 differs: max |Δ| = {(ours.float() - ref.float()).abs().max()}"
+    else:
+        assert (ours - ref).abs().max().item() <= 1e-5
+
+
+# Generation parity: three left-padded prompts WIDTH wide, continued by NEW tokens.
+NEW = 18  # more than 3x the sliding window (5)
+WIDTH = 12
+
+
+def padded_prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded rows: 12 tokens, 3 tokens (shorter than the window) and 8 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (3, WIDTH), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, real in ((1, 3), (2, 8)):
+        mask[row, : WIDTH - real] = 0
+        ids[row, : WIDTH - real] = 0
+    return ids, mask

@@ -98,3 +98,12 @@ class ScriptedEngine:
                 self.finished[request_id] = "stop"
             outputs.append((request_id, token, done))
         return outputs
+
+
+def content_of(llm, token_ids) -> str:
+    """What the server answers for these generated tokens: the reply's content, specials left out."""
+    from torchgemma.serving.parsing import parse_reply
+
+    stops = set(llm.generation_config.eos_token_ids) | {llm.tokenizer.turn_end_id}
+    ids = [t for t in token_ids if t not in stops]
+    return parse_reply(llm.tokenizer.decode(ids)).content

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import torchgemma
-from checkpoints import COMMON, STYLES, randomize_
-from test_parity import padded_batch
+from checkpoints import COMMON, STYLES, padded_batch, randomize_
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from serving_fixtures import ScriptedEngine, running_server
-from test_llm import llm_checkpoint  # noqa: F401  (the session fixture)
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
 

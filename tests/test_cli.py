@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_llm import llm_checkpoint  # noqa: F401  (the session fixture)
 from torchgemma.cli import default_threads, main
 from torchgemma.llm import LLM
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_llm import _variant, llm_checkpoint  # noqa: F401  (the session fixture)
+from llm_fixtures import config_variant
 from torchgemma.cli import main
 from torchgemma.generation import GenerationConfig
 from torchgemma.llm import LLM, ChatChunk
@@ -179,7 +179,7 @@ def test_model_without_tokenizer(text_checkpoints, capsys):
 
 
 def test_prompt_longer_than_context(llm_checkpoint, tmp_path, capsys):  # noqa: F811
-    short = _variant(llm_checkpoint, tmp_path / "short", max_position_embeddings=8)
+    short = config_variant(llm_checkpoint, tmp_path / "short", max_position_embeddings=8)
     code, _, err = run(["generate", "--model", str(short), PROMPT * 3], capsys)
     assert code == 2 and "does not fit the model's context of 8 tokens" in err
 

@@ -412,7 +412,7 @@ def test_typed_image_placeholder_is_not_an_image_like_the_processor(pair) -> Non
 def test_gguf_tokenizer_sanitizes_like_transformers(tmp_path: Path, name: str) -> None:
     """The GGUF route (a backend built from the file's vocabulary, CONTROL tokens special)."""
     from gguf_fixtures import random_model, write_gguf
-    from test_gguf import GEMMA4_STYLES
+    from gguf_fixtures import GEMMA4_STYLES
 
     if name == "gemma3":
         model = random_model("gemma3_text", {}, seed=5)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import torchgemma
-from test_llm import llm_checkpoint  # noqa: F401  (the fixture: a tiny E2B-like checkpoint with a tokenizer)
 from torchgemma.debug import (
     Side,
     capture_torchgemma,

@@ -25,7 +25,6 @@ from tokenizers import processors
 
 import torchgemma
 from checkpoints import randomize_
-from test_llm import llm_checkpoint  # noqa: F401  (the session fixture: a tiny generative checkpoint)
 from tokenizer_fixtures import SAMPLE_TEXT, VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma.config import FULL, SLIDING, ModelConfig
 from torchgemma.embedding import ACTIVATIONS, POOLING_MODES, Dense, Pooling, SentenceHead

@@ -5,47 +5,8 @@ import torch
 
 import torchgemma
 from checkpoints import randomize_
+from gemma3_checkpoints import COMMON, GEMMA3_STYLES, gemma3_checkpoint
 from torchgemma.config import FULL, SLIDING, ModelConfig
-
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    sliding_window=5,
-    max_position_embeddings=4096,
-)
-
-GEMMA3_STYLES = {
-    # 270M / 1B: 5:1 pattern, local 10k and global 1M RoPE, no soft-caps.
-    "1b": dict(num_hidden_layers=6, num_key_value_heads=1, query_pre_attn_scalar=16),
-    # 4B and up: linear RoPE scaling (factor 8) on the global layers; here also a final soft-cap and an
-    # attention soft-cap, which transformers 5.23 reads but never applies (we match it).
-    "4b": dict(
-        num_hidden_layers=7,
-        layer_types=[SLIDING, SLIDING, FULL] * 2 + [SLIDING],
-        query_pre_attn_scalar=24,
-        rope_parameters={
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-        },
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=30.0,
-    ),
-    # EmbeddingGemma: bidirectional attention.
-    "embedding": dict(num_hidden_layers=4, layer_types=[SLIDING, FULL] * 2, use_bidirectional_attention=True),
-}
-
-
-def gemma3_checkpoint(folder, style, seed=0):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**COMMON, **GEMMA3_STYLES[style]}))
-    randomize_(model, seed)  # every norm weight away from 0 (Gemma 3 stores w, the scale is 1 + w)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

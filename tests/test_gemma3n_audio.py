@@ -352,8 +352,7 @@ def test_server_chat_and_transcription_with_audio(llm_folder):
 
     import openai
 
-    from serving_fixtures import running_server
-    from test_server import content_of
+    from serving_fixtures import content_of, running_server
     from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
 
     llm = torchgemma.LLM(llm_folder, progress=False)

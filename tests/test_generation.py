@@ -8,27 +8,14 @@ import pytest
 import torch
 
 import torchgemma
-from checkpoints import STYLES, reference_model
+from checkpoints import NEW, STYLES, WIDTH, padded_prompts, reference_model
 from torchgemma.generation import GenerationStats, decode_step, generate, prefill, stream
 
 DTYPES = [torch.float32, torch.bfloat16]
-NEW = 18  # more than 3x the sliding window (5)
-WIDTH = 12
 
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def padded_prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three left-padded rows: 12 tokens, 3 tokens (shorter than the window) and 8 tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 300, (3, WIDTH), generator=gen)
-    mask = torch.ones_like(ids)
-    for row, real in ((1, 3), (2, 8)):
-        mask[row, : WIDTH - real] = 0
-        ids[row, : WIDTH - real] = 0
-    return ids, mask
 
 
 def reference_generate(ref, ids, mask=None, **kwargs) -> torch.Tensor:

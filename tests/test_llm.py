@@ -2,53 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-from checkpoints import COMMON, STYLES, randomize_, reference_model
-from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
+from checkpoints import reference_model
+from llm_fixtures import config_variant
+from tokenizer_fixtures import write_gemma4_tokenizer
 from torchgemma.generation import GenerationStats
 from torchgemma.llm import LLM, ChatResult, ReplyStream
-
-# Gemma 4's published generation_config.json (reference §5.4).
-GEMMA4_GENERATION_CONFIG = {
-    "bos_token_id": 2,
-    "pad_token_id": 0,
-    "eos_token_id": [1, 106, 50],
-    "do_sample": True,
-    "temperature": 1.0,
-    "top_k": 64,
-    "top_p": 0.95,
-}
-
-
-def build_llm_checkpoint(folder: Path, style: str = "e2b", *, seed: int = 0, **overrides) -> Path:
-    """A tiny checkpoint whose vocabulary covers the test tokenizer, with tokenizer files and
-    Gemma 4's generation_config.json beside the weights."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    fields = {**COMMON, **STYLES[style], "vocab_size": VOCAB_SIZE, **overrides}
-    if fields.get("hidden_size_per_layer_input"):
-        fields["vocab_size_per_layer_input"] = VOCAB_SIZE
-    torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**fields))
-    randomize_(model, seed)
-    with torch.no_grad():
-        # Large tied embeddings make every token predict itself; smaller ones give varied text.
-        model.model.embed_tokens.weight.mul_(0.1)
-    model.save_pretrained(folder)
-    write_gemma4_tokenizer(folder)
-    (folder / "generation_config.json").write_text(json.dumps(GEMMA4_GENERATION_CONFIG))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def llm_checkpoint(tmp_path_factory) -> Path:
-    return build_llm_checkpoint(tmp_path_factory.mktemp("llm") / "tiny-e2b-it")
-
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -213,19 +174,8 @@ def test_reply_stream_splits_thinking(llm, reply):
         assert chunks[0].thinking and sum(c.thinking for c in chunks) > 1
 
 
-def _variant(source: Path, folder: Path, **config_changes) -> Path:
-    """A copy of a checkpoint folder (files linked) with config.json fields changed."""
-    folder.mkdir()
-    for f in source.iterdir():
-        if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
-    config = json.loads((source / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
-    return folder
-
-
 def test_prompt_longer_than_context(llm_checkpoint, tmp_path):
-    llm = LLM(_variant(llm_checkpoint, tmp_path / "short", max_position_embeddings=16))
+    llm = LLM(config_variant(llm_checkpoint, tmp_path / "short", max_position_embeddings=16))
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 4)
     with pytest.raises(ValueError, match="does not fit the model's context of 16"):
         llm.generate(long_prompt)

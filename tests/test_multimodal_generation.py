@@ -10,9 +10,6 @@ transformers' own ``Gemma4Processor`` (fixture tokenizer + ``Gemma4ImageProcesso
 from __future__ import annotations
 
 import functools
-import io
-import json
-import sys
 import wave
 from pathlib import Path
 
@@ -21,59 +18,19 @@ import pytest
 import torch
 from PIL import Image
 
-from checkpoints import build_media_chat_checkpoint, reference_model
-from test_llm import GEMMA4_GENERATION_CONFIG
-from tokenizer_fixtures import VOCAB_SIZE, gemma4_vocab, write_gemma4_tokenizer
+from checkpoints import reference_model
+from llm_fixtures import SOFT_TOKENS, build_llm_checkpoint, image_processor
+from llm_fixtures import build_media_llm_checkpoint as build_checkpoint
+from llm_fixtures import run_cli as run
 from torchgemma.cli import main
 from torchgemma.llm import LLM
 
 DTYPES = [torch.float32, torch.bfloat16]
 NEW = 12
-SOFT_TOKENS = 70  # the smallest image budget keeps the prompts short
 
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def media_token_ids() -> dict[str, int]:
-    vocab, _ = gemma4_vocab()
-    names = {
-        "boi_token_id": "<|image>",
-        "eoi_token_id": "<image|>",
-        "image_token_id": "<|image|>",
-        "audio_token_id": "<|audio|>",
-        "boa_token_id": "<|audio>",
-        "eoa_token_index": "<audio|>",  # sic: transformers' Gemma4Config field name
-        "video_token_id": "<|video|>",
-    }
-    return {field: vocab[token] for field, token in names.items()}
-
-
-def image_processor():
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    return Gemma4ImageProcessorPil(max_soft_tokens=SOFT_TOKENS)
-
-
-def build_checkpoint(folder: Path, large: bool, seed: int) -> Path:
-    from transformers import Gemma4AudioFeatureExtractor
-
-    build_media_chat_checkpoint(
-        folder, vocab_size=VOCAB_SIZE, media_token_ids=media_token_ids(), large=large, seed=seed
-    )
-    write_gemma4_tokenizer(folder)
-    (folder / "generation_config.json").write_text(json.dumps(GEMMA4_GENERATION_CONFIG))
-    # What Gemma4Processor.save_pretrained writes (it cannot save here: no torchvision, no video processor).
-    processor_config = {
-        "processor_class": "Gemma4Processor",
-        "image_processor": image_processor().to_dict(),
-        "feature_extractor": Gemma4AudioFeatureExtractor().to_dict(),
-        "image_seq_length": 280,
-        "audio_seq_length": 750,
-    }
-    (folder / "processor_config.json").write_text(json.dumps(processor_config, default=str))
-    return folder
 
 
 @pytest.fixture(scope="session")
@@ -229,8 +186,6 @@ def test_raw_prompt_with_placeholders_and_batches(checkpoints):
 
 
 def test_clear_errors(checkpoints, tmp_path):
-    from test_llm import build_llm_checkpoint
-
     llm = load_llm(checkpoints["e2b"])
     with pytest.raises(ValueError, match=r"0 image placeholder\(s\) \(<\|image\|>\) but 1 images"):
         llm.generate("No placeholder here", images=[IMAGES[0]])
@@ -266,14 +221,6 @@ def media_files(tmp_path_factory) -> dict[str, Path]:
         out.setframerate(16000)
         out.writeframes((np.clip(CLIPS[0], -1, 1) * 32767).astype("<i2").tobytes())
     return {"image": root / "cat.png", "audio": root / "clip.wav"}
-
-
-def run(argv, capsys, monkeypatch, stdin=None):
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_generate_with_media(checkpoints, media_files, capsys, monkeypatch):

@@ -4,34 +4,9 @@ import pytest
 import torch
 
 import torchgemma
-from checkpoints import STYLES, reference_model
+from checkpoints import STYLES, assert_match, padded_batch, reference_logits, reference_model
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def padded_batch(seed: int, length: int = 17):
-    """Two rows longer than the sliding window (5); the second is left-padded by 4."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 300, (2, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ids[1, :4] = 0
-    return ids, mask
-
-
-def reference_logits(ref, ids, mask, **kwargs):
-    # Positions follow the mask, as in transformers' generate().
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    with torch.no_grad():
-        return ref(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
-
-
-def assert_match(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape
-    if dtype == torch.bfloat16:
-        assert torch.equal(ours, ref), f"bf16 differs: max |Δ| = {(ours.float() - ref.float()).abs().max()}"
-    else:
-        assert (ours - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

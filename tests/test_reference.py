@@ -25,9 +25,8 @@ import pytest
 import torch
 
 import torchgemma
-from checkpoints import STYLES
-from test_gemma3 import gemma3_checkpoint
-from test_parity import padded_batch
+from checkpoints import STYLES, padded_batch
+from gemma3_checkpoints import gemma3_checkpoint
 from torchgemma import reference
 from torchgemma.config import FULL, RopeSpec
 from torchgemma.model.layers import RMSNorm, apply_rope, eager_attention, gelu_tanh, rope_cos_sin

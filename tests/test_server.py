@@ -26,12 +26,11 @@ import openai
 import pytest
 from PIL import Image
 
-from serving_fixtures import ScriptedEngine, running_server
-from test_llm import build_llm_checkpoint, llm_checkpoint  # noqa: F401  (the session fixture)
+from llm_fixtures import build_media_llm_checkpoint
+from serving_fixtures import ScriptedEngine, content_of, running_server
 from torchgemma.generation.constraints import JSONPrefix
 from torchgemma.llm import LLM
 from torchgemma.serving.app import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS, create_app
-from torchgemma.serving.parsing import parse_reply
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -557,13 +556,6 @@ def test_control_tokens_typed_by_clients_stay_text(scripted, llm, llm_checkpoint
 # ── images and audio ─────────────────────────────────────────────────────────────────────────
 
 
-def content_of(llm: LLM, token_ids) -> str:
-    """What the server answers for these generated tokens: the reply's content, specials left out."""
-    stops = set(llm.generation_config.eos_token_ids) | {llm.tokenizer.turn_end_id}
-    ids = [t for t in token_ids if t not in stops]
-    return parse_reply(llm.tokenizer.decode(ids)).content
-
-
 def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as out:
@@ -575,9 +567,7 @@ def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
 
 
 def test_images_audio_and_transcription(tmp_path_factory):
-    from test_multimodal_generation import build_checkpoint
-
-    folder = build_checkpoint(tmp_path_factory.mktemp("served-media") / "e2b-omni-it", large=False, seed=31)
+    folder = build_media_llm_checkpoint(tmp_path_factory.mktemp("served-media") / "e2b-omni-it", large=False, seed=31)
     llm = LLM(folder)
     rng = np.random.default_rng(0)
     picture = Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8))

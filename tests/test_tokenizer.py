@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 from tokenizer_fixtures import (
     GEMMA4_CHAT_TEMPLATE,
     build_gemma4_backend,
-    gemma4_tokenizer_dir_fixture,  # noqa: F401  (registers the gemma4_tokenizer_dir fixture)
     gemma4_vocab,
     write_gemma4_tokenizer,
 )

@@ -10,8 +10,18 @@ import pytest
 import torch
 
 import torchgemma
-from checkpoints import COMMON, STYLES, TINY_TOKEN_IDS, randomize_
-from test_parity import assert_match, padded_batch, reference_logits
+from checkpoints import (
+    COMMON,
+    NEW,
+    TINY_TOKEN_IDS,
+    UNIFIED_STYLES,
+    WIDTH,
+    assert_match,
+    padded_batch,
+    padded_prompts,
+    randomize_,
+    reference_logits,
+)
 from torchgemma.config import ModelConfig
 from torchgemma.generation import generate
 
@@ -19,19 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = [torch.float32, torch.bfloat16]
 
-# Decoder styles: the 12B's own (K=V full layers, one global KV head, 5:1) and one with KV sharing
-# and the double-wide MLP, which Gemma4UnifiedTextConfig also accepts.
-UNIFIED_STYLES = {
-    "12b": {k: v for k, v in STYLES["31b"].items() if k != "hidden_size_per_layer_input"},
-    "kv-shared": dict(
-        num_hidden_layers=8,
-        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
-        num_key_value_heads=2,
-        global_head_dim=32,
-        num_kv_shared_layers=3,
-        use_double_wide_mlp=True,
-    ),
-}
+# Decoder styles: checkpoints.UNIFIED_STYLES (the 12B's own, and one with KV sharing).
 # 4 px patches merged 2x2: 8 px model patches of 192 values; output_proj_dims must equal mm_embed_dim.
 TINY_UNIFIED_VISION = dict(
     patch_size=4, pooling_kernel_size=2, mm_embed_dim=40, mm_posemb_size=16, output_proj_dims=40
@@ -153,8 +151,6 @@ def unified_gen_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("style", list(UNIFIED_STYLES))
 def test_greedy_matches_transformers(unified_gen_checkpoints, style, dtype):
-    from test_generation import NEW, WIDTH, padded_prompts
-
     folder = unified_gen_checkpoints[style]
     ref = reference(folder, dtype)
     model = torchgemma.load(folder, dtype=dtype, attention="eager")
@@ -321,8 +317,6 @@ def test_media_logits_match_transformers(unified_checkpoints, style, dtype):
 def test_greedy_with_media_matches_transformers(tmp_path, style, dtype):
     """Prefill through the cache with image blocks on every layer (full layers' keys included),
     then decoding without them, as transformers' generate() does with its default cache."""
-    from test_generation import NEW
-
     folder = build_unified_checkpoint(tmp_path / style, style, seed=80, embed_scale=0.05)
     ref = reference(folder, dtype)
     model = torchgemma.load(folder, dtype=dtype, attention="eager")

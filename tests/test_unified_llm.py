@@ -20,10 +20,9 @@ import pytest
 import torch
 from PIL import Image
 
-from checkpoints import COMMON, randomize_
-from test_llm import GEMMA4_GENERATION_CONFIG
-from test_multimodal_generation import media_token_ids, run
-from test_unified import UNIFIED_STYLES
+from checkpoints import COMMON, UNIFIED_STYLES, randomize_
+from llm_fixtures import GEMMA4_GENERATION_CONFIG, media_token_ids
+from llm_fixtures import run_cli as run
 from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma.llm import LLM
 from unified_reference import reference_image_processor_class, reference_video_processor_class
@@ -276,8 +275,7 @@ def test_server_takes_images_and_audio(checkpoint):
 
     import openai
 
-    from serving_fixtures import running_server
-    from test_server import content_of
+    from serving_fixtures import content_of, running_server
     from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
 
     llm = load_llm(checkpoint)

@@ -22,8 +22,7 @@ import torch
 from PIL import Image
 
 from checkpoints import build_media_chat_checkpoint, reference_model
-from test_llm import GEMMA4_GENERATION_CONFIG
-from test_multimodal_generation import image_processor, media_token_ids
+from llm_fixtures import GEMMA4_GENERATION_CONFIG, build_llm_checkpoint, image_processor, media_token_ids
 from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma import Video
 from torchgemma.cli import main
@@ -283,8 +282,6 @@ def test_engine_request_with_video(checkpoints):
 
 
 def test_clear_errors(checkpoints, tmp_path):
-    from test_llm import build_llm_checkpoint
-
     llm = load_llm(checkpoints["e2b"])
     with pytest.raises(ValueError, match=r"0 video placeholder\(s\) \(<\|video\|>\) but 1 videos"):
         llm.generate("No placeholder here", videos=[CLIP])

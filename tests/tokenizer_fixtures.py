@@ -9,9 +9,8 @@ reference) and the multimodal tokens at the end of the vocabulary, as in the rea
 `write_gemma4_tokenizer(folder)` writes the files a checkpoint carries (tokenizer.json,
 tokenizer_config.json, chat_template.jinja, optionally special_tokens_map.json) so that
 transformers' `AutoTokenizer.from_pretrained(folder)` and `torchgemma.tokenizer.load_tokenizer(folder)`
-read the same folder. Other tests can reuse it through the `gemma4_tokenizer_dir` fixture:
-
-    from tokenizer_fixtures import gemma4_tokenizer_dir_fixture  # noqa: F401  (registers the fixture)
+read the same folder. Every test file can use it through the `gemma4_tokenizer_dir` fixture
+(registered by conftest.py):
 
     def test_something(gemma4_tokenizer_dir): ...
 """
