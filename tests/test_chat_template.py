@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from tokenizer_fixtures import write_gemma4_tokenizer
 from torchgemma.tokenizer import load_tokenizer
-from torchgemma.tokenizer.chat_template import ChatTemplateError, parse_reply, render_chat_template
+from torchgemma.replies import parse_reply
+from torchgemma.tokenizer.chat_template import ChatTemplateError, render_chat_template
 
 transformers.logging.set_verbosity_error()
 
@@ -353,7 +354,9 @@ def test_user_text_with_control_tokens_is_encoded_like_transformers(pair) -> Non
     ],
 )
 def test_parse_reply(reply: str, expected: tuple) -> None:
-    assert parse_reply(reply) == expected
+    # The reply grammar's (reasoning, content), as Tokenizer.parse_reply gives them (no tools offered).
+    parsed = parse_reply(reply, tools=False)
+    assert (parsed.reasoning, parsed.content) == expected
 
 
 def test_parse_reply_on_decoded_ids(pair) -> None:

@@ -14,7 +14,6 @@ from .tokenizer import (
     Tokenizer,
     UnknownTokenError,
     load_tokenizer,
-    parse_reply,
 )
 
 __all__ = [
@@ -24,5 +23,4 @@ __all__ = [
     "Tokenizer",
     "UnknownTokenError",
     "load_tokenizer",
-    "parse_reply",
 ]

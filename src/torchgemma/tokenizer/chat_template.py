@@ -1,4 +1,4 @@
-"""Chat templates rendered the way transformers 5.23 renders them, and Gemma 4 reply parsing.
+"""Chat templates rendered the way transformers 5.23 renders them (replies are read by ``torchgemma.replies``).
 
 A checkpoint's chat template is Jinja written against transformers' environment, so the output only
 matches if the environment matches: a sandbox with `trim_blocks`/`lstrip_blocks`, loop controls, a
@@ -34,7 +34,6 @@ __all__ = [
     "control_token_pattern",
     "mark_control_tokens",
     "marked_token_pattern",
-    "parse_reply",
     "render_chat_template",
     "select_chat_template",
     "template_literal_text",
@@ -313,41 +312,3 @@ def render_chat_template(
         **_plain(template_kwargs),
     )
 
-
-def parse_reply(
-    text: str,
-    *,
-    channel_start: str = "<|channel>",
-    channel_end: str = "<channel|>",
-    stop_strings: Sequence[str] = ("<turn|>", "<eos>"),
-) -> tuple[str | None, str]:
-    """Split a generated Gemma 4 reply into (thinking, answer).
-
-    The reply format is `<|channel>thought\\n…<channel|>answer`; decode with special tokens kept so
-    the markers are present. thinking is None when the reply has no channel block, and holds the text
-    so far when the block is unterminated (generation stopped while thinking; the answer is then "").
-    Several blocks (thinking interleaved with tool calls) are joined with a blank line. The answer
-    ends at the first stop string (`<turn|>`, `<eos>`); both parts are stripped of surrounding space.
-    """
-    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
-    text = text[:cut]
-    thoughts: list[str] = []
-    answer_parts: list[str] = []
-    rest = text
-    while True:
-        start = rest.find(channel_start)
-        if start < 0:
-            answer_parts.append(rest)
-            break
-        answer_parts.append(rest[:start])
-        body_start = start + len(channel_start)
-        end = rest.find(channel_end, body_start)
-        body = rest[body_start:] if end < 0 else rest[body_start:end]
-        # The first line names the channel ("thought"); it is a label, not part of the thinking.
-        newline = body.find("\n")
-        thoughts.append("" if newline < 0 else body[newline + 1 :].strip())
-        if end < 0:
-            break
-        rest = rest[end + len(channel_end) :]
-    thinking = "\n\n".join(thoughts) if thoughts else None
-    return thinking, "".join(answer_parts).strip()

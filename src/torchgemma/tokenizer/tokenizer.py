@@ -33,11 +33,11 @@ from typing import Any
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from ..replies import parse_reply
 from .chat_template import (
     control_token_pattern,
     mark_control_tokens,
     marked_token_pattern,
-    parse_reply,
     render_chat_template,
     select_chat_template,
     template_literal_text,
@@ -481,16 +481,10 @@ class Tokenizer:
         return ids
 
     def parse_reply(self, text: str) -> tuple[str | None, str]:
-        """(thinking, answer) of a reply decoded with special tokens kept; see `chat_template.parse_reply`."""
-        stops = [self.special_token("turn_end")]
-        if "eos_token" in self.special_tokens:
-            stops.append(self.special_tokens["eos_token"])
-        return parse_reply(
-            text,
-            channel_start=self.special_token("channel_start"),
-            channel_end=self.special_token("channel_end"),
-            stop_strings=stops,
-        )
+        """(thinking, answer) of a reply decoded with special tokens kept, by Gemma 4's reply grammar
+        (``torchgemma.replies.parse_reply``, tool calls left as text: no tools were offered)."""
+        reply = parse_reply(text, tools=False)
+        return reply.reasoning, reply.content
 
     def __repr__(self) -> str:
         return (

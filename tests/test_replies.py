@@ -1,4 +1,4 @@
-"""Gemma 4 reply parsing for the server: arguments, whole replies, streams split every way, stop strings."""
+"""Gemma 4's reply grammar (torchgemma.replies): arguments, whole replies, streams split every way, stop strings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from torchgemma.serving.parsing import (
+from torchgemma.replies import (
     SPECIAL_TOKENS,
     ArgumentSyntaxError,
     Delta,
