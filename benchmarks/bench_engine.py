@@ -38,14 +38,16 @@ from bench_generate import _Stamps  # noqa: E402
 from common import build_checkpoint, machine  # noqa: E402
 
 import torchgemma  # noqa: E402
-from torchgemma.generation import stream  # noqa: E402
+from torchgemma.generation import SamplingParams, stream  # noqa: E402
 
 
 def time_ours(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
     """Seconds to every row's first token, seconds from there to the last, the tokens."""
     start = time.perf_counter()
     stamps, tokens = [], []
-    for step in stream(model, prompts.tolist(), max_new_tokens=new_tokens, temperature=0, stop_token_ids=[]):
+    greedy = SamplingParams(temperature=0)
+    rows = prompts.tolist()
+    for step in stream(model, rows, max_new_tokens=new_tokens, sampling=greedy, stop_token_ids=[]):
         stamps.append(time.perf_counter() - start)
         tokens.append(step)
     return stamps[0], stamps[-1] - stamps[0], torch.stack(tokens, 1)

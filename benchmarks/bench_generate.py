@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import build_checkpoint, machine  # noqa: E402
 
 import torchgemma  # noqa: E402
-from torchgemma.generation import stream  # noqa: E402
+from torchgemma.generation import SamplingParams, stream  # noqa: E402
 
 # ---- timing one generation ---------------------------------------------------------------------
 
@@ -40,7 +40,8 @@ def time_torchgemma(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[
     """Arrival times of each new token (seconds from the call) and the tokens."""
     start = time.perf_counter()
     stamps, tokens = [], []
-    for token in stream(model, prompt, max_new_tokens=new_tokens, temperature=0, stop_token_ids=[]):
+    greedy = SamplingParams(temperature=0)
+    for token in stream(model, prompt, max_new_tokens=new_tokens, sampling=greedy, stop_token_ids=[]):
         stamps.append(time.perf_counter() - start)
         tokens.append(token)
     return stamps, torch.stack(tokens, 1)

@@ -176,7 +176,7 @@ def peak_rss(name: str, threads: int, new_tokens: int) -> float:
             "import warnings, torch, torchgemma; warnings.simplefilter('ignore');"
             f"torch.set_num_threads({threads}); path = {str(gemma3_270m())!r}; model = {load};"
             f"ids = torch.tensor([{ids!r}]);"
-            f"torchgemma.generate(model, ids, max_new_tokens={new_tokens}, temperature=0.0, stop_token_ids=[]);"
+            f"torchgemma.generate(model, ids, max_new_tokens={new_tokens}, sampling=torchgemma.SamplingParams(temperature=0.0), stop_token_ids=[]);"
         )
         return _high_water(code)
     code = (

@@ -73,7 +73,7 @@ def child(args) -> dict:
         base = rss_bytes()
         reset_peak()
         start = time.perf_counter()
-        engine.add_request(0, prompt, max_new_tokens=1, temperature=0)
+        engine.add_request(0, prompt, max_new_tokens=1, sampling=torchgemma.SamplingParams(temperature=0))
         while engine.has_unfinished_requests():
             engine.step()
         seconds = time.perf_counter() - start

@@ -229,7 +229,8 @@ def greedy(model, tokenizer, prompts, count: int) -> list[list[int]]:
     tokens = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt)])
-        out = torchgemma.generate(model, ids, max_new_tokens=count, temperature=0.0, stop_token_ids=[])
+        greedy = torchgemma.SamplingParams(temperature=0.0)
+        out = torchgemma.generate(model, ids, max_new_tokens=count, sampling=greedy, stop_token_ids=[])
         tokens.append(out[0, ids.shape[1] :].tolist())
     return tokens
 

@@ -81,7 +81,9 @@ def stepwise_logits(model, ids: list[int], steps: int) -> torch.Tensor:
 
 def greedy(model, tokenizer, prompt: str | list[int], new: int) -> list[int]:
     ids = torch.tensor([tokenizer.encode(prompt) if isinstance(prompt, str) else prompt])
-    out = torchgemma.generate(model, ids, max_new_tokens=new, temperature=0.0, stop_token_ids=[])
+    out = torchgemma.generate(
+        model, ids, max_new_tokens=new, sampling=torchgemma.SamplingParams(temperature=0.0), stop_token_ids=[]
+    )
     return out[0, ids.shape[1] :].tolist()
 
 

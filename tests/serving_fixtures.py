@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from torchgemma.generation import StepOutput
+
 
 @contextmanager
 def running_server(app) -> Iterator[str]:
@@ -53,8 +55,6 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.arguments: list[dict] = []
         self.requests: dict = {}
-        self.finished: dict = {}
-        self.logprobs: dict = {}
         self.step_delay = 0.0
         self.fail_at_step: int | None = None  # raise inside step number N (counting from 1)
         self._steps = 0
@@ -84,7 +84,6 @@ class ScriptedEngine:
         self._steps += 1
         if self._steps == self.fail_at_step:
             raise RuntimeError("the scripted step failed")
-        self.finished, self.logprobs = {}, {}
         while self._queue and len(self._running) < self.max_batch_size:
             request_id = self._queue.popleft()
             self._running[request_id] = True
@@ -95,8 +94,7 @@ class ScriptedEngine:
             done = not tokens
             if done:
                 del self.requests[request_id], self._running[request_id]
-                self.finished[request_id] = "stop"
-            outputs.append((request_id, token, done))
+            outputs.append(StepOutput(request_id, token, done, "stop" if done else None))
         return outputs
 
 

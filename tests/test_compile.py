@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchgemma
-from torchgemma import Engine
+from torchgemma import Engine, SamplingParams
 from torchgemma.acceleration import decode_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,10 +51,14 @@ def run(engine: Engine, requests: dict[str, list[int]], joins: dict[str, int], n
         for request, at in joins.items():
             if at == step:
                 engine.add_request(
-                    request, requests[request], max_new_tokens=new, temperature=0, stop_token_ids=[]
+                    request,
+                    requests[request],
+                    max_new_tokens=new,
+                    sampling=SamplingParams(temperature=0),
+                    stop_token_ids=[],
                 )
-        for request, token, _ in engine.step():
-            out.setdefault(request, []).append(token)
+        for output in engine.step():
+            out.setdefault(output.request_id, []).append(output.token_id)
         step += 1
     return out
 

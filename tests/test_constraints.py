@@ -117,9 +117,9 @@ def test_engine_redraws_until_the_constraint_allows(gen_checkpoints):
             max_new_tokens=10,
             stop_token_ids=[1],
             constraint=Script([42, 43, 44], 1),
-            **sampling,
+            sampling=engine.generation_config.sampling(**sampling),
         )
         tokens = []
         while engine.has_unfinished_requests():
-            tokens += [t for _, t, _ in engine.step()]
+            tokens += [output.token_id for output in engine.step()]
         assert tokens == [42, 43, 44, 1]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import torchgemma
 from checkpoints import STYLES, reference_model
-from torchgemma import Engine
+from torchgemma import Engine, MediaInputs, SamplingParams
 from torchgemma.generation import generate, stream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = {"a": 9, "b": 3, "c": 14, "d": 6}
 NEW = {"a": 20, "b": 5, "c": 12, "d": 16}  # "a" decodes through four wrap-arounds of the window
 JOINS = {"a": 0, "b": 0, "d": 0, "c": 4}  # "c" is added at step 4, and waits for "b"'s slot
-GREEDY = dict(temperature=0, stop_token_ids=[])
+GREEDY = dict(sampling=SamplingParams(temperature=0), stop_token_ids=[])
 
 
 class RecordingEngine(Engine):
@@ -30,6 +32,11 @@ class RecordingEngine(Engine):
     def _emit(self, request, logits):
         self.logits.setdefault(request.request_id, []).append(logits[0].clone())
         return super()._emit(request, logits)
+
+
+def finish_reasons(outputs) -> dict:
+    """Why each request that finished in these step outputs ended."""
+    return {o.request_id: o.finish_reason for o in outputs if o.finished}
 
 
 def prompts(seed: int = 0) -> dict[str, list[int]]:
@@ -46,10 +53,11 @@ def run(engine: Engine, requests: dict, joins: dict, **sampling) -> dict[str, li
         for request, at in joins.items():
             if at == step:
                 engine.add_request(request, requests[request], max_new_tokens=NEW[request], **sampling)
-        for request, token, finished in engine.step():
+        for output in engine.step():
+            request = output.request_id
             assert request not in done, f"{request} produced a token after it finished"
-            out.setdefault(request, []).append(token)
-            if finished:
+            out.setdefault(request, []).append(output.token_id)
+            if output.finished:
                 done.add(request)
         step += 1
         if not engine.has_unfinished_requests() and step > max(joins.values()):
@@ -104,23 +112,27 @@ def test_batched_requests_match_transformers(gen_checkpoints, style):
 def test_seeded_sampling_does_not_depend_on_neighbours(gen_checkpoints):
     model = torchgemma.load(gen_checkpoints["e4b"], dtype=torch.bfloat16)
     requests = prompts(seed=2)
-    sampled = dict(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.1, stop_token_ids=[])
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.1)
+    seeded = dict(sampling=replace(params, seed=7), stop_token_ids=[])
     engine = Engine(model, max_batch_size=4, max_len=40)
     for request in requests:  # neighbours: seeded and unseeded samplers, and a greedy one
-        engine.add_request(request, requests[request], max_new_tokens=NEW[request], seed=None, **sampled)
-    engine.add_request("x", requests["a"], max_new_tokens=12, seed=7, **sampled)
-    engine.add_request("greedy", requests["c"], max_new_tokens=12, temperature=0)
+        engine.add_request(
+            request, requests[request], max_new_tokens=NEW[request], sampling=params, stop_token_ids=[]
+        )
+    engine.add_request("x", requests["a"], max_new_tokens=12, **seeded)
+    engine.add_request("greedy", requests["c"], max_new_tokens=12, sampling=SamplingParams(temperature=0))
     together: dict = {}
     while engine.has_unfinished_requests():
-        for request, token, _ in engine.step():
-            together.setdefault(request, []).append(token)
+        for output in engine.step():
+            together.setdefault(output.request_id, []).append(output.token_id)
     alone = Engine(model, max_batch_size=1, max_len=40)
-    alone.add_request("x", requests["a"], max_new_tokens=12, seed=7, **sampled)
+    alone.add_request("x", requests["a"], max_new_tokens=12, **seeded)
     tokens = []
     while alone.has_unfinished_requests():
-        tokens += [token for _, token, _ in alone.step()]
+        tokens += [output.token_id for output in alone.step()]
     assert together["x"] == tokens
-    other_seed = generate(model, [requests["a"]], max_new_tokens=12, seed=8, **sampled)[0]
+    other = replace(params, seed=8)
+    other_seed = generate(model, [requests["a"]], max_new_tokens=12, sampling=other, stop_token_ids=[])[0]
     assert other_seed[len(requests["a"]) :] != tokens
 
 
@@ -133,18 +145,21 @@ def test_waiting_abort_and_finish_reasons(gen_checkpoints):
     stop = free[at]
     engine = Engine(model, max_batch_size=2, max_len=40)
     engine.add_request("a", requests["a"], max_new_tokens=30, **GREEDY)
-    engine.add_request("b", requests["b"], max_new_tokens=30, stop_token_ids=[stop], temperature=0)
+    greedy = SamplingParams(temperature=0)
+    engine.add_request("b", requests["b"], max_new_tokens=30, stop_token_ids=[stop], sampling=greedy)
     engine.add_request("c", requests["c"], max_new_tokens=2, **GREEDY)
     engine.add_request("d", requests["d"], max_new_tokens=2, **GREEDY)
     with pytest.raises(ValueError, match="already queued or running"):
         engine.add_request("a", requests["a"])
-    seen = [{r for r, _, _ in engine.step()} for _ in range(at)]
+    seen = [{o.request_id for o in engine.step()} for _ in range(at)]
     assert seen == [{"a", "b"}] * at  # two slots: c and d wait
     engine.abort_request("d")  # a waiting request never runs
     outputs = engine.step()  # b produces its stop token
-    assert ("b", stop, True) in outputs and engine.finished == {"b": "stop"}
-    assert {r for r, _, _ in engine.step()} == {"a", "c"}  # c took b's slot at once
-    assert {r for r, _, _ in engine.step()} == {"a", "c"} and engine.finished == {"c": "length"}
+    assert ("b", stop, True) in [(o.request_id, o.token_id, o.finished) for o in outputs]
+    assert finish_reasons(outputs) == {"b": "stop"}
+    assert {o.request_id for o in engine.step()} == {"a", "c"}  # c took b's slot at once
+    outputs = engine.step()
+    assert {o.request_id for o in outputs} == {"a", "c"} and finish_reasons(outputs) == {"c": "length"}
     engine.abort_request("a")  # a running request: its slot is freed
     assert not engine.has_unfinished_requests() and engine.step() == []
     assert engine.cache.lengths == [0, 0]
@@ -163,13 +178,14 @@ def test_bad_requests_are_refused_with_the_reason(gen_checkpoints):
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         engine.add_request("zero", [5, 6], max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
-        engine.add_request("hot", [5, 6], temperature=-1)
+        engine.add_request("hot", [5, 6], sampling=SamplingParams(temperature=-1))
     # The budget is cut to the slot's room: 10 - 4 prompt tokens.
     engine.add_request("cut", [5, 6, 7, 8], max_new_tokens=100, **GREEDY)
-    tokens = []
+    outputs = []
     while engine.has_unfinished_requests():
-        tokens += [token for _, token, _ in engine.step()]
-    assert len(tokens) == 6 and engine.finished == {"cut": "length"}
+        outputs += engine.step()
+    assert len(outputs) == 6 and finish_reasons(outputs) == {"cut": "length"}
+    assert [o.finish_reason for o in outputs] == [None] * 5 + ["length"]
 
 
 def test_generate_and_stream_take_prompts_of_any_length(gen_checkpoints):
@@ -200,9 +216,9 @@ def test_stop_tokens_end_rows_of_a_list_batch(gen_checkpoints):
     requests = prompts(seed=5)
     free = generate(model, [requests["a"], requests["d"]], max_new_tokens=8, **GREEDY)
     stop = free[0][len(requests["a"]) + 2]
-    out = generate(
-        model, [requests["a"], requests["d"]], max_new_tokens=8, temperature=0, stop_token_ids=[stop]
-    )
+    greedy = SamplingParams(temperature=0)
+    rows = [requests["a"], requests["d"]]
+    out = generate(model, rows, max_new_tokens=8, sampling=greedy, stop_token_ids=[stop])
     assert out[0] == free[0][: len(requests["a"]) + 3]  # cut after its stop token
     first_stop = next((i for i, t in enumerate(free[1][len(requests["d"]) :]) if t == stop), None)
     expected = free[1] if first_stop is None else free[1][: len(requests["d"]) + first_stop + 1]
@@ -228,17 +244,17 @@ def test_prefill_chunks_of_one_length_share_a_forward(gen_checkpoints, monkeypat
     for request, prompt in requests.items():
         engine.add_request(request, prompt, max_new_tokens=3, **GREEDY)
     first = engine.step()
-    assert sorted(shapes) == [(1, 3), (3, 4)] and [r for r, _, _ in first] == ["c"]
+    assert sorted(shapes) == [(1, 3), (3, 4)] and [o.request_id for o in first] == ["c"]
     shapes.clear()
     second = engine.step()
     assert shapes == [(3, 2), (1, 1)]  # the grouped chunks, then c's first decode step
-    assert sorted(r for r, _, _ in second) == ["a", "b", "c", "d"]
+    assert sorted(o.request_id for o in second) == ["a", "b", "c", "d"]
     together: dict = {r: [] for r in requests}
-    for request, token, _ in first + second:
-        together[request].append(token)
+    for output in first + second:
+        together[output.request_id].append(output.token_id)
     while engine.has_unfinished_requests():
-        for request, token, _ in engine.step():
-            together[request].append(token)
+        for output in engine.step():
+            together[output.request_id].append(output.token_id)
     monkeypatch.undo()
     for request, prompt in requests.items():
         assert together[request] == generate(model, [prompt], max_new_tokens=3, **GREEDY)[0][len(prompt) :]
@@ -255,14 +271,17 @@ def test_a_request_whose_media_fail_fails_alone(gen_checkpoints, multimodal_chec
     engine = Engine(model, max_batch_size=2, max_len=40)
     engine.add_request("good", [5, 6, 7, 8], max_new_tokens=3, **GREEDY)
     # An image but no image placeholders in the prompt: the soft tokens have nowhere to go.
-    engine.add_request(
-        "bad", [5, 6, 7], max_new_tokens=3, pixel_values=patches, image_position_ids=positions, **GREEDY
-    )
+    media = MediaInputs(pixel_values=patches, image_position_ids=positions)
+    engine.add_request("bad", [5, 6, 7], max_new_tokens=3, media=media, **GREEDY)
     first = engine.step()
-    assert [r for r, _, _ in first] == ["good"] and set(engine.failed) == {"bad"}
-    assert "placeholder" in str(engine.failed["bad"])
-    tokens = [t for _, t, _ in first]
+    failed = {o.request_id: o.error for o in first if o.error is not None}
+    produced = [o for o in first if o.error is None]
+    assert [o.request_id for o in produced] == ["good"] and set(failed) == {"bad"}
+    assert "placeholder" in str(failed["bad"])
+    bad = next(o for o in first if o.request_id == "bad")
+    assert bad.finished and bad.finish_reason == "error" and bad.token_id is None
+    tokens = [o.token_id for o in produced]
     while engine.has_unfinished_requests():
-        tokens += [t for _, t, _ in engine.step()]
+        tokens += [o.token_id for o in engine.step()]
     assert tokens == generate(model, [[5, 6, 7, 8]], max_new_tokens=3, **GREEDY)[0][4:]
     assert engine.cache.lengths == [0, 0]

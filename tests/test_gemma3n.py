@@ -13,7 +13,7 @@ import torchgemma
 from gemma3n_checkpoints import TEXT, build, reference_model, text_config, vision_tower_stub
 from published_configs import GEMMA3N_PUBLISHED, gemma3n_multimodal
 from torchgemma.config import FULL, SLIDING, ModelConfig
-from torchgemma.generation import generate
+from torchgemma.generation import SamplingParams, generate
 from torchgemma.info import describe, format_report
 from torchgemma.model.layers import normal_quantile
 
@@ -106,7 +106,8 @@ def test_greedy_matches_transformers(gen_checkpoints, layout, dtype):
         mask[row, : width - real] = 0
         ids[row, : width - real] = 0
 
-    ours = generate(model, ids, attention_mask=mask, max_new_tokens=new, temperature=0, stop_token_ids=[])
+    greedy = SamplingParams(temperature=0)
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=new, sampling=greedy, stop_token_ids=[])
     with torch.no_grad():
         theirs = ref.generate(
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None

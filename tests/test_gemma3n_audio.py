@@ -8,6 +8,7 @@ import torch
 import torchgemma
 from gemma3n_checkpoints import TOKEN_IDS, build, reference_model
 from torchgemma.generation import generate
+from torchgemma.model.inputs import MediaInputs
 from torchgemma.processing.gemma3n_audio import process_audio_gemma3n
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,7 +160,8 @@ def test_greedy_with_audio_equals_transformers(gen_checkpoint, dtype):
         expected = ref.generate(
             input_ids=ids, attention_mask=mask, **audio, max_new_tokens=8, do_sample=False, eos_token_id=None
         )
-    got = generate(model, ids, attention_mask=mask, **audio, max_new_tokens=8, stop_token_ids=[])
+    media = MediaInputs.from_dict(audio)
+    got = generate(model, ids, attention_mask=mask, media=media, max_new_tokens=8, stop_token_ids=[])
     assert got.tolist() == expected.tolist()
     assert len(set(got[:, ids.shape[1] :].flatten().tolist())) > 1  # the continuation varies
 

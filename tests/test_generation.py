@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import torchgemma
 from checkpoints import NEW, STYLES, WIDTH, padded_prompts, reference_model
-from torchgemma.generation import GenerationStats, decode_step, generate, prefill, stream
+from torchgemma.generation import (
+    GenerationConfig,
+    GenerationStats,
+    SamplingParams,
+    decode_step,
+    generate,
+    prefill,
+    stream,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -32,7 +41,8 @@ def test_greedy_matches_transformers(gen_checkpoints, style, dtype):
     ids, mask = padded_prompts(seed=list(STYLES).index(style))
 
     # Batched with left padding, no stop token: NEW tokens for every row.
-    free = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0, stop_token_ids=[])
+    greedy = SamplingParams(temperature=0)
+    free = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, sampling=greedy, stop_token_ids=[])
     theirs = reference_generate(ref, ids, mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     assert free.shape == (3, WIDTH + NEW)
     assert torch.equal(free, theirs), f"\nours   {free[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
@@ -100,7 +110,12 @@ def test_seeded_sampling_matches_transformers(gen_checkpoints, style):
     model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
     ids, mask = padded_prompts(seed=7)
     ours = generate(
-        model, ids, attention_mask=mask, max_new_tokens=NEW, seed=1234, stop_token_ids=[], **SAMPLED
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        sampling=SamplingParams(**SAMPLED, seed=1234),
+        stop_token_ids=[],
     )
     for row in range(ids.shape[0]):
         prompt = ids[row : row + 1][:, mask[row].bool()]
@@ -123,8 +138,9 @@ def test_greedy_repetition_penalty_matches_transformers(gen_checkpoints, style):
         ref, ids, mask, max_new_tokens=1, do_sample=False, repetition_penalty=1.4, eos_token_id=None
     )[:, WIDTH]
     ids = torch.where(mask == 1, ids, first[:, None])
+    penalised = SamplingParams(repetition_penalty=1.4)  # greedy
     ours = generate(
-        model, ids, attention_mask=mask, max_new_tokens=NEW, repetition_penalty=1.4, stop_token_ids=[]
+        model, ids, attention_mask=mask, max_new_tokens=NEW, sampling=penalised, stop_token_ids=[]
     )
     theirs = reference_generate(
         ref, ids, mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.4, eos_token_id=None
@@ -147,8 +163,8 @@ def test_seeded_sampling_is_reproducible(small_model):
             ids,
             attention_mask=mask,
             max_new_tokens=10,
-            seed=s,
-            temperature=1.0,
+            # transformers' defaults (top_k 50) for what is not set, as generate takes without a config
+            sampling=GenerationConfig().sampling(temperature=1.0, seed=s),
             stop_token_ids=[],
         )
         for s in (5, 5, 6)
@@ -160,27 +176,39 @@ def test_seeded_sampling_is_reproducible(small_model):
 def test_generation_config_supplies_defaults(small_model):
     """Unset sampling parameters and stop ids come from a generation_config.json dict."""
     ids, mask = padded_prompts(seed=4)
+    params = SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=9)
     explicit = generate(
-        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9,
-        temperature=1.0, top_k=64, top_p=0.95, stop_token_ids=[],
+        small_model, ids, attention_mask=mask, max_new_tokens=10, sampling=params, stop_token_ids=[],
     )  # fmt: skip
     config = {"do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95, "eos_token_id": []}
+    defaults = GenerationConfig.from_dict(config)
     from_config = generate(
-        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9, generation_config=config
-    )
+        small_model, ids, attention_mask=mask, max_new_tokens=10, sampling=defaults.sampling(seed=9),
+        generation_config=config,
+    )  # fmt: skip
     assert torch.equal(explicit, from_config)
+    # Without sampling parameters generate takes the config's itself (unseeded: torch's global RNG).
+    torch.manual_seed(9)
+    unseeded = generate(
+        small_model, ids, attention_mask=mask, max_new_tokens=10, sampling=replace(params, seed=None),
+        stop_token_ids=[],
+    )  # fmt: skip
+    torch.manual_seed(9)
+    unset = generate(small_model, ids, attention_mask=mask, max_new_tokens=10, generation_config=config)
+    assert torch.equal(unseeded, unset)
     # Gemma 4's defaults sample: not the greedy continuation.
     greedy = generate(small_model, ids, attention_mask=mask, max_new_tokens=10, stop_token_ids=[])
     assert not torch.equal(from_config, greedy)
     # An explicit temperature=0 overrides the config: greedy.
     forced = generate(
-        small_model, ids, attention_mask=mask, max_new_tokens=10, temperature=0, generation_config=config
-    )
+        small_model, ids, attention_mask=mask, max_new_tokens=10, sampling=defaults.sampling(temperature=0),
+        generation_config=config,
+    )  # fmt: skip
     assert torch.equal(forced, greedy)
     # The config's eos list stops rows.
     stop = int(explicit[2, WIDTH + 2])
     stopped = generate(
-        small_model, ids, attention_mask=mask, max_new_tokens=10, seed=9,
+        small_model, ids, attention_mask=mask, max_new_tokens=10, sampling=defaults.sampling(seed=9),
         generation_config={**config, "eos_token_id": [stop], "pad_token_id": 7},
     )  # fmt: skip
     row = stopped[2, WIDTH:].tolist()
@@ -258,4 +286,4 @@ def test_zero_new_tokens_and_bad_input(small_model):
     with pytest.raises(ValueError, match="at least one token"):
         generate(small_model, ids, attention_mask=empty, max_new_tokens=2)
     with pytest.raises(ValueError, match="temperature"):
-        generate(small_model, ids, max_new_tokens=2, temperature=-1)
+        generate(small_model, ids, max_new_tokens=2, sampling=SamplingParams(temperature=-1))

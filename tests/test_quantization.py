@@ -801,7 +801,7 @@ def test_greedy_head_falls_back_where_it_cannot_bound():
 def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, mode, monkeypatch):
     """Greedy requests through a quantized (soft-capped, Gemma 4) head: the same tokens with the
     greedy head as with full logits, and the bounded path is what ran."""
-    from torchgemma.generation.engine import Engine
+    from torchgemma.generation import Engine, SamplingParams
 
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())
@@ -820,11 +820,13 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
     for greedy_head in (True, False):
         engine = Engine(model, max_batch_size=3, max_len=40, greedy_head=greedy_head)
         for name, ids in prompts.items():
-            engine.add_request(name, ids, max_new_tokens=12, temperature=0.0, stop_token_ids=[])
+            engine.add_request(
+                name, ids, max_new_tokens=12, sampling=SamplingParams(temperature=0.0), stop_token_ids=[]
+            )
         out = {name: [] for name in prompts}
         while engine.has_unfinished_requests():
-            for request, token, _ in engine.step():
-                out[request].append(token)
+            for output in engine.step():
+                out[output.request_id].append(output.token_id)
         runs[greedy_head] = out
         if greedy_head:
             assert calls  # the bounded scores were used
@@ -832,8 +834,6 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
         else:
             assert not calls
     assert runs[True] == runs[False]
-
-
 # ── fused norms ────────────────────────────────────────────────────────────────────────────────
 
 
@@ -876,6 +876,8 @@ def test_fused_rope_is_apply_rope_to_the_bit():
     assert torch.equal(fused_rope(x, cos, sin), apply_rope(x, cos, sin))
     half = [t.bfloat16() for t in (x, cos, sin)]
     assert torch.equal(fused_rope(*half), apply_rope(*half))
+
+
 
 
 @pytest.mark.parametrize(

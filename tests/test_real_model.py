@@ -12,6 +12,7 @@ pytest.importorskip(
 )
 
 import torchgemma  # noqa: E402
+from torchgemma.generation import SamplingParams  # noqa: E402
 from torchgemma.generation.generate import generate  # noqa: E402
 from torchgemma.weights.source import gemma3_270m  # noqa: E402
 
@@ -46,7 +47,8 @@ def test_greedy_continuation_and_logits_match_transformers(real, prompt):
     assert (ours_logits - theirs_logits).abs().max().item() <= 1e-3
     stops = ref.generation_config.eos_token_id
     stops = [stops] if isinstance(stops, int) else list(stops)
-    ours = generate(model, input_ids, max_new_tokens=32, temperature=0.0, stop_token_ids=stops)
+    greedy = SamplingParams(temperature=0.0)
+    ours = generate(model, input_ids, max_new_tokens=32, sampling=greedy, stop_token_ids=stops)
     assert ours.tolist() == theirs.tolist()
     assert tok.decode(ours[0, len(ids) :].tolist()) == ref_tok.decode(theirs[0, len(ids) :])
 
@@ -67,6 +69,7 @@ def test_default_load_keeps_the_files_blocks_and_its_greedy_tokens(real):
             assert torch.equal(module.dequantize(), checkpoint.tensor(key)), name
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
-        ours = generate(model, ids, max_new_tokens=32, temperature=0.0, stop_token_ids=[])
-        theirs = generate(full, ids, max_new_tokens=32, temperature=0.0, stop_token_ids=[])
+        greedy = SamplingParams(temperature=0.0)
+        ours = generate(model, ids, max_new_tokens=32, sampling=greedy, stop_token_ids=[])
+        theirs = generate(full, ids, max_new_tokens=32, sampling=greedy, stop_token_ids=[])
         assert ours.tolist() == theirs.tolist(), prompt

@@ -23,7 +23,8 @@ from checkpoints import (
     reference_logits,
 )
 from torchgemma.config import ModelConfig
-from torchgemma.generation import generate
+from torchgemma.generation import SamplingParams, generate
+from torchgemma.model.inputs import MediaInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,7 +156,8 @@ def test_greedy_matches_transformers(unified_gen_checkpoints, style, dtype):
     ref = reference(folder, dtype)
     model = torchgemma.load(folder, dtype=dtype, attention="eager")
     ids, mask = padded_prompts(seed=70)
-    ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0, stop_token_ids=[])
+    greedy = SamplingParams(temperature=0)
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, sampling=greedy, stop_token_ids=[])
     with torch.no_grad():
         theirs = ref.generate(
             ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None
@@ -332,7 +334,14 @@ def test_greedy_with_media_matches_transformers(tmp_path, style, dtype):
         input_features_mask=features_mask,
         mm_token_type_ids=types,
     )
-    ours = generate(model, ids, max_new_tokens=NEW, temperature=0, stop_token_ids=[], **inputs)
+    ours = generate(
+        model,
+        ids,
+        max_new_tokens=NEW,
+        sampling=SamplingParams(temperature=0),
+        stop_token_ids=[],
+        media=MediaInputs(**inputs),
+    )
     with torch.no_grad():
         theirs = ref.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, **inputs)
     width = ids.shape[1]

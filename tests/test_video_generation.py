@@ -255,26 +255,28 @@ def test_raw_prompts_match_transformers_and_batch(checkpoints, processor, video_
 
 def test_engine_request_with_video(checkpoints):
     """Video inputs through Engine.add_request: the same tokens as through LLM (the engine's prefill)."""
-    from torchgemma import Engine
+    from torchgemma import Engine, MediaInputs, SamplingParams
 
     llm = load_llm(checkpoints["31b"])
     inputs = llm.chat_inputs(user({"type": "video", "video": CLIP}))
     engine = Engine(llm.model, max_batch_size=2, max_len=2048)
-    media = {
-        name: inputs[name] for name in ("pixel_values_videos", "video_position_ids", "num_frames_per_video")
-    }
+    media = MediaInputs(
+        pixel_values_videos=inputs["pixel_values_videos"],
+        video_position_ids=inputs["video_position_ids"],
+        num_frames_per_video=inputs["num_frames_per_video"],
+        mm_token_type_ids=inputs["mm_token_type_ids"][0],
+    )
     engine.add_request(
         "v",
         inputs["input_ids"][0],
         max_new_tokens=5,
-        temperature=0,
+        sampling=SamplingParams(temperature=0),
         stop_token_ids=[],
-        mm_token_type_ids=inputs["mm_token_type_ids"][0],
-        **media,
+        media=media,
     )
     tokens = []
     while engine.has_unfinished_requests():
-        tokens += [token for _, token, _ in engine.step()]
+        tokens += [output.token_id for output in engine.step()]
     expected = llm.chat(
         user({"type": "video", "video": CLIP}), temperature=0, max_new_tokens=5, stop_token_ids=[]
     )

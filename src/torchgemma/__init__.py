@@ -5,8 +5,9 @@ import importlib
 from .acceleration import compile
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
-from .generation import Engine, generate, stream
+from .generation import Engine, SamplingParams, StepOutput, generate, stream
 from .model import Gemma
+from .model.inputs import MediaInputs
 from .quantization import quantize
 from .weights.loading import load
 from .weights.saving import save
@@ -49,7 +50,10 @@ __all__ = [
     "KVCache",
     "LLM",
     "LayerSpec",
+    "MediaInputs",
     "ModelConfig",
+    "SamplingParams",
+    "StepOutput",
     "TextConfig",
     "Tokenizer",
     "Video",

@@ -1,7 +1,7 @@
 """Generation: sampling as pure functions; the engine; prefill, decode step, streaming iterator, ``generate``."""
 
 from .config import GenerationConfig
-from .engine import MEDIA_INPUTS, Engine
+from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, StepOutput, TokenLogprobs
 from .generate import GenerationStats, decode_step, generate, prefill, stream
 from .sampling import (
     SamplingParams,
@@ -16,10 +16,13 @@ from .sampling import (
 
 __all__ = [
     "MEDIA_INPUTS",
+    "EmbeddedPrompt",
     "Engine",
     "GenerationConfig",
     "GenerationStats",
     "SamplingParams",
+    "StepOutput",
+    "TokenLogprobs",
     "apply_repetition_penalty",
     "apply_temperature",
     "decode_step",

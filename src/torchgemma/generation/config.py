@@ -73,6 +73,7 @@ class GenerationConfig:
         top_p: float | None = None,
         min_p: float | None = None,
         repetition_penalty: float | None = None,
+        seed: int | None = None,
     ) -> SamplingParams:
         """Sampling parameters: what the caller set, the checkpoint's defaults for the rest.
 
@@ -87,6 +88,7 @@ class GenerationConfig:
             top_p=self.top_p if top_p is None else top_p,
             min_p=self.min_p if min_p is None else min_p,
             repetition_penalty=self.repetition_penalty if repetition_penalty is None else repetition_penalty,
+            seed=seed,
         )
 
 

@@ -1,9 +1,9 @@
 """The engine: many requests, each its own sequence in a slot of one cache, stepped together.
 
     engine = Engine(model, max_batch_size=8, max_len=4096)
-    engine.add_request("a", prompt_ids, max_new_tokens=64, temperature=0.7, seed=1)
+    engine.add_request("a", prompt_ids, sampling=SamplingParams(temperature=0.7, seed=1), max_new_tokens=64)
     while engine.has_unfinished_requests():
-        for request_id, token_id, finished in engine.step():
+        for output in engine.step():  # StepOutput: request_id, token_id, finished, finish_reason, ...
             ...
 
 The names follow vLLM's ``LLMEngine``. Each ``step()``:
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 from ..cache import KVCache
 from ..model import Gemma
+from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .sampling import SamplingParams, next_token
@@ -42,17 +43,8 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 # Refused draws of a constrained request before a full scan of the vocabulary.
 MAX_REDRAWS = 256
 
-# A request's multimodal inputs, as transformers' Gemma 4 processor names them.
-MEDIA_INPUTS = (
-    "pixel_values",
-    "image_position_ids",
-    "input_features",
-    "input_features_mask",
-    "mm_token_type_ids",
-    "pixel_values_videos",
-    "video_position_ids",
-    "num_frames_per_video",
-)
+# A request's multimodal inputs, as transformers' Gemma 4 processor names them (MediaInputs' fields).
+MEDIA_INPUTS = tuple(f.name for f in fields(MediaInputs))
 
 
 @dataclass(frozen=True)
@@ -62,6 +54,35 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step()`` did for one request: a token, or the error that ended it.
+
+    ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or a
+    constraint that allows nothing more), ``"length"`` (its token budget) or ``"error"`` (its own
+    inputs or its prefill failed: ``error`` says why, ``token_id`` is None). ``logprobs`` is set
+    for requests that asked for them.
+    """
+
+    request_id: Hashable
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddedPrompt:
+    """A prompt already embedded with its media scattered in, for ``add_request(embedded=...)``:
+    ``stream`` embeds a padded multimodal batch at once (as transformers does) and gives each row
+    its part; the engine makes one itself from a request's ``media``."""
+
+    embeds: torch.Tensor  # (1, L, H)
+    text_ids: torch.Tensor  # (1, L): the ids for the per-layer table
+    vision_blocks: torch.Tensor | None = None  # (1, L): image-block ids of bidirectional vision attention
 
 
 @dataclass
@@ -74,12 +95,9 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None
-    media: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Prompt embeddings with soft tokens scattered in (1, L, H), the ids for the per-layer table,
-    # and the image-block ids (1, L) of bidirectional vision attention, made at the first chunk.
-    embeds: torch.Tensor | None = None
-    text_ids: torch.Tensor | None = None
-    blocks: torch.Tensor | None = None
+    media: MediaInputs | None = None
+    # The prompt embedded with its media, made at the first chunk (or given); dropped once prefilled.
+    embedded: EmbeddedPrompt | None = None
     slot: int | None = None
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
@@ -98,8 +116,7 @@ class Engine:
     """Continuous batching over the slots of one KV cache (see the module docstring).
 
     ``max_batch_size`` requests run at once, each up to ``max_len`` tokens (prompt and reply).
-    After a step, ``finished`` maps each request that ended in it to ``"stop"`` (a stop token) or
-    ``"length"`` (its token budget).
+    ``step()`` returns a ``StepOutput`` per request it advanced (or that failed in it).
     ``generation_config`` (ours, or a ``generation_config.json`` dict) supplies the sampling
     defaults and stop ids of requests that leave them unset. ``cache`` reuses a cache made by
     ``model.make_cache`` (its slots and length then set the limits). The cache is allocated
@@ -139,14 +156,7 @@ class Engine:
             self.generation_config = generation_config
         else:
             self.generation_config = GenerationConfig.from_dict(generation_config or {}, model.config.text)
-        # Unfinished requests by id, why each request that finished in the last step ended, and the
-        # log-probabilities of the last step's tokens for requests that asked for them.
-        self.requests: dict[Hashable, Request] = {}
-        self.finished: dict[Hashable, str] = {}
-        self.logprobs: dict[Hashable, TokenLogprobs] = {}
-        # Requests whose own inputs failed in the last step (e.g. media that do not fit their
-        # placeholders), and the error: they are dropped, the others go on.
-        self.failed: dict[Hashable, Exception] = {}
+        self.requests: dict[Hashable, Request] = {}  # unfinished, by id
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._compiled = getattr(model, "compiled_decode", None)
@@ -160,81 +170,90 @@ class Engine:
     def add_request(
         self,
         request_id: Hashable,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         *,
+        sampling: SamplingParams | None = None,
+        media: MediaInputs | None = None,
         max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
         constraint: Any = None,
-        pixel_values: torch.Tensor | None = None,
-        image_position_ids: torch.Tensor | None = None,
-        input_features: torch.Tensor | None = None,
-        input_features_mask: torch.Tensor | None = None,
-        mm_token_type_ids: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_position_ids: torch.Tensor | None = None,
-        num_frames_per_video: torch.Tensor | None = None,
+        embedded: EmbeddedPrompt | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next ``step()`` with a free slot.
 
-        Sampling arguments as in ``generate``, for this request alone: unset ones take the engine's
-        generation config; ``seed`` gives the request its own generator (else torch's global RNG);
-        ``stop_token_ids=None`` means the config's eos ids. ``max_new_tokens`` is cut to what
-        ``max_len`` and the model's context leave after the prompt. Media as ``generate`` takes them,
-        with ``mm_token_type_ids`` of shape (L,) or (1, L) for this prompt. ``logprobs=n``: after each
-        step, ``engine.logprobs[request_id]`` holds the token's log-probability and the ``n`` most
-        likely tokens' (log-softmax of the model's float32 logits, before any sampling filter).
+        ``sampling`` for this request alone (None: the engine's generation config,
+        ``generation_config.sampling()``); its ``seed`` gives the request its own generator.
+        ``stop_token_ids=None`` means the config's eos ids. ``max_new_tokens`` (None: the config's,
+        else 256) is cut to what ``max_len`` and the model's context leave after the prompt.
+        ``media`` as the processor makes them, with ``mm_token_type_ids`` of shape (L,) or (1, L)
+        for this prompt; or ``embedded``, the prompt already embedded. ``logprobs=n``: each of the
+        request's step outputs carries the token's log-probability and the ``n`` most likely
+        tokens' (log-softmax of the model's float32 logits, before any sampling filter).
         ``constraint`` (e.g. ``constraints.JSONObject``) vetoes tokens: a refused draw is masked and
         drawn again.
         """
-        media = given(
-            pixel_values=pixel_values,
-            image_position_ids=image_position_ids,
-            input_features=input_features,
-            input_features_mask=input_features_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            pixel_values_videos=pixel_values_videos,
-            video_position_ids=video_position_ids,
-            num_frames_per_video=num_frames_per_video,
-        )
-        if "mm_token_type_ids" in media:
-            media["mm_token_type_ids"] = media["mm_token_type_ids"].reshape(1, -1)
-        self._add(
-            request_id,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=dict(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-            ),
-            seed=seed,
-            stop_token_ids=stop_token_ids,
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already queued or running")
+        if media is not None and embedded is not None:
+            raise ValueError(f"request {request_id!r}: give media or an embedded prompt, not both")
+        media = media if media else None
+        if media is not None and media.mm_token_type_ids is not None:
+            media = replace(media, mm_token_type_ids=media.mm_token_type_ids.reshape(1, -1))
+        prompt = _token_list(input_ids, self.model.config.text.vocab_size)
+        context = self.model.config.text.max_position_embeddings
+        room = min(self.max_len, context) - len(prompt)
+        if room <= 0:
+            raise ValueError(
+                f"request {request_id!r}: a prompt of {len(prompt)} tokens leaves no room to generate "
+                f"(max_len {self.max_len}, model context {context})"
+            )
+        config = self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        if max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"request {request_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}"
+            )
+        params = config.sampling() if sampling is None else sampling
+        stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        seed = params.seed
+        request = Request(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            max_new_tokens=min(max_new_tokens, room),
+            stop_token_ids=frozenset(stops),
+            generator=None if seed is None else torch.Generator(device=self.model.device).manual_seed(seed),
             media=media,
+            embedded=embedded,
             logprobs=logprobs,
             constraint=constraint,
         )
+        self.requests[request_id] = request
+        self._waiting.append(request)
 
-    def step(self) -> list[tuple[Hashable, int, bool]]:
-        """Advance every running request by at most one token: ``(request_id, token_id, finished)``."""
-        self.finished = {}
-        self.logprobs = {}
-        self.failed = {}
+    def step(self) -> list[StepOutput]:
+        """Advance every running request by at most one token: one ``StepOutput`` per request."""
         self._admit()
-        outputs = []
+        outputs: list[StepOutput] = []
         decoding = sorted((r for r in self._running.values() if r.decoding), key=lambda r: r.slot)
         with torch.inference_mode():
-            for group in self._prefill_groups():
-                for members, choices in self._prefill_isolated(group):
-                    outputs += [self._emit(request, choice) for request, choice in zip(members, choices)]
+            groups, failed = self._prefill_groups()
+            outputs += failed
+            for group in groups:
+                # What depends on one request's inputs (media embedding) ran alone in
+                # _prefill_groups; a shared text forward only fails for reasons that are nobody's
+                # input, and may have overwritten ring columns, so its members fail (they cannot
+                # simply retry), and only they.
+                try:
+                    members, choices = self._prefill(group)
+                except Exception as error:  # noqa: BLE001 - reported per request
+                    outputs += [self._fail(request, error) for request in group]
+                    continue
+                outputs += [self._emit(request, choice) for request, choice in zip(members, choices)]
             if decoding:
                 outputs += [self._emit(r, choice) for r, choice in zip(decoding, self._decode(decoding))]
         return outputs
@@ -254,59 +273,6 @@ class Engine:
 
     # ── requests ─────────────────────────────────────────────────────────────────────────────
 
-    def _add(
-        self,
-        request_id: Hashable,
-        input_ids: Sequence[int],
-        *,
-        max_new_tokens: int | None,
-        sampling: dict[str, Any],
-        seed: int | None,
-        stop_token_ids: Sequence[int] | None,
-        media: dict[str, torch.Tensor] | None = None,
-        logprobs: int | None = None,
-        constraint: Any = None,
-        embeds: torch.Tensor | None = None,
-        text_ids: torch.Tensor | None = None,
-        blocks: torch.Tensor | None = None,
-    ) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} is already queued or running")
-        prompt = _token_list(input_ids, self.model.config.text.vocab_size)
-        context = self.model.config.text.max_position_embeddings
-        room = min(self.max_len, context) - len(prompt)
-        if room <= 0:
-            raise ValueError(
-                f"request {request_id!r}: a prompt of {len(prompt)} tokens leaves no room to generate "
-                f"(max_len {self.max_len}, model context {context})"
-            )
-        config = self.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        if max_new_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"request {request_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}"
-            )
-        stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
-        request = Request(
-            request_id=request_id,
-            prompt=prompt,
-            params=config.sampling(**sampling),
-            max_new_tokens=min(max_new_tokens, room),
-            stop_token_ids=frozenset(stops),
-            generator=None if seed is None else torch.Generator(device=self.model.device).manual_seed(seed),
-            media=media or {},
-            embeds=embeds,
-            text_ids=text_ids,
-            blocks=blocks,
-            logprobs=logprobs,
-            constraint=constraint,
-        )
-        self.requests[request_id] = request
-        self._waiting.append(request)
-
     def _admit(self) -> None:
         free = [s for s in range(self.max_batch_size) if s not in self._running]
         while self._waiting and free:
@@ -318,8 +284,8 @@ class Engine:
     def _release(self, request: Request) -> None:
         del self._running[request.slot]
         self.cache.free(request.slot)
-        request.embeds = request.text_ids = request.blocks = None
-        request.media = {}
+        request.embedded = None
+        request.media = None
 
     def _constrained(self, request: Request, logits: torch.Tensor, token: int, history) -> int:
         """The draw again and again, refused tokens masked, until the constraint accepts one."""
@@ -344,9 +310,10 @@ class Engine:
             request.finish_reason = "stop"
         return token
 
-    def _emit(self, request: Request, choice: torch.Tensor | int) -> tuple[Hashable, int, bool]:
+    def _emit(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
         """Pick the request's next token from its logits (1, V), or take the one already chosen
         (a plain greedy request's), and record it."""
+        logprobs = None
         if isinstance(choice, int):
             token = choice
         else:
@@ -358,64 +325,52 @@ class Engine:
             if request.constraint is not None:
                 token = self._constrained(request, logits, token, history)
             if request.logprobs is not None:
-                self.logprobs[request.request_id] = _logprobs(logits[0], token, request.logprobs)
+                logprobs = _logprobs(logits[0], token, request.logprobs)
         request.output.append(token)
         if request.finish_reason is not None or token in request.stop_token_ids:
             request.finish_reason = "stop"
         elif len(request.output) >= request.max_new_tokens:
             request.finish_reason = "length"
-        if request.finish_reason is not None:
+        finished = request.finish_reason is not None
+        if finished:
             self._release(request)
             del self.requests[request.request_id]
-            self.finished[request.request_id] = request.finish_reason
-        return request.request_id, token, request.finish_reason is not None
+        return StepOutput(request.request_id, token, finished, request.finish_reason, logprobs)
 
     # ── forward passes ───────────────────────────────────────────────────────────────────────
 
-    def _prefill_groups(self) -> list[list[Request]]:
+    def _prefill_groups(self) -> tuple[list[list[Request]], list[StepOutput]]:
         """The prefilling requests, grouped to share a forward pass: text chunks of one length
-        together (no padding), each request with media alone (its embeddings and image blocks)."""
+        together (no padding), each embedded prompt alone (its embeddings and image blocks); and
+        the failures of requests whose media could not be embedded."""
         groups: dict[tuple, list[Request]] = {}
+        failed = []
         for request in sorted(self._running.values(), key=lambda r: r.slot):
             if request.decoding:
                 continue
-            if request.prefilled == 0 and request.media:
+            if request.prefilled == 0 and request.media is not None:
                 try:
                     self._embed_media(request)
                 except Exception as error:  # noqa: BLE001 - this request's own inputs: it alone fails
-                    self._fail(request, error)
+                    failed.append(self._fail(request, error))
                     continue
             start, end = self._next_chunk(request)
-            key = ("media", request.slot) if request.embeds is not None else ("text", end - start)
+            key = ("media", request.slot) if request.embedded is not None else ("text", end - start)
             groups.setdefault(key, []).append(request)
-        return list(groups.values())
+        return list(groups.values()), failed
 
-    def _prefill_isolated(self, group: list[Request]) -> list[tuple[list[Request], list]]:
-        """Prefill a group; if its forward fails, its members fail (and only they).
-
-        What depends on one request's inputs (media embedding) runs alone before this and fails
-        alone; a shared text forward only fails for reasons that are nobody's input. A failed
-        forward may have overwritten ring columns, so its members cannot simply retry.
-        """
-        try:
-            return [self._prefill(group)]
-        except Exception as error:  # noqa: BLE001 - reported per request
-            for request in group:
-                self._fail(request, error)
-            return []
-
-    def _fail(self, request: Request, error: Exception) -> None:
+    def _fail(self, request: Request, error: Exception) -> StepOutput:
         self._release(request)
         del self.requests[request.request_id]
-        self.failed[request.request_id] = error
+        return StepOutput(request.request_id, None, True, "error", error=error)
 
     def _next_chunk(self, request: Request) -> tuple[int, int]:
         length = len(request.prompt)
         start = request.prefilled
         end = min(length, start + self.prefill_chunk)
-        if request.blocks is not None:
+        if request.embedded is not None and request.embedded.vision_blocks is not None:
             # An image's tokens attend to each other both ways: never split one across chunks.
-            blocks = request.blocks[0].tolist()
+            blocks = request.embedded.vision_blocks[0].tolist()
             while end < length and blocks[end] >= 0 and blocks[end] == blocks[end - 1]:
                 end += 1
         return start, end
@@ -425,11 +380,12 @@ class Engine:
         that chunk completes, and what picks each one's first token (``_choices``)."""
         model, device = self.model, self.model.device
         chunks = [self._next_chunk(request) for request in group]
-        first = group[0]
-        if first.embeds is not None:  # a request with media: alone
-            (start, end), embeds = chunks[0], first.embeds
-            text_ids, embeds = first.text_ids[:, start:end], embeds[:, start:end]
-            blocks = None if first.blocks is None else first.blocks[:, start:end]
+        embedded = group[0].embedded
+        if embedded is not None:  # a request with media: alone
+            start, end = chunks[0]
+            text_ids, embeds = embedded.text_ids[:, start:end], embedded.embeds[:, start:end]
+            blocks = embedded.vision_blocks
+            blocks = None if blocks is None else blocks[:, start:end]
         else:
             tokens = [request.prompt[start:end] for request, (start, end) in zip(group, chunks)]
             text_ids, embeds, blocks = model.text_ids(torch.tensor(tokens, device=device)), None, None
@@ -446,7 +402,7 @@ class Engine:
         for i, (request, (_, end)) in enumerate(zip(group, chunks)):
             request.prefilled = end
             if end == len(request.prompt):
-                request.embeds = request.text_ids = request.blocks = None
+                request.embedded = None
                 done.append(i)
         return [group[i] for i in done], self._choices([group[i] for i in done], normed[done, -1])
 
@@ -476,12 +432,14 @@ class Engine:
 
     def _embed_media(self, request: Request) -> None:
         model = self.model
-        media = dict(request.media)
+        media = request.media.as_dict()
         types = media.pop("mm_token_type_ids", None)
         ids = torch.tensor([request.prompt], device=model.device)
-        request.embeds, request.text_ids = model.embed_multimodal(ids, **media)
+        embeds, text_ids = model.embed_multimodal(ids, **media)
+        blocks = None
         if types is not None and model.config.text.use_bidirectional_attention == "vision":
-            request.blocks = vision_block_ids(types.to(model.device))
+            blocks = vision_block_ids(types.to(model.device))
+        request.embedded = EmbeddedPrompt(embeds, text_ids, blocks)
 
     def _decode(self, requests: list[Request]) -> list[torch.Tensor | int]:
         """One token for each decoding request, in one forward pass: what picks each one's token
@@ -510,11 +468,6 @@ def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
     return TokenLogprobs(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
-
-
-def given(**inputs: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The inputs that were passed (not None)."""
-    return {name: value for name, value in inputs.items() if value is not None}
 
 
 def _token_list(input_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:

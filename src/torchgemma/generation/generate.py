@@ -24,9 +24,11 @@ import torch
 
 from ..cache import KVCache
 from ..model import Gemma
+from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, given
+from .engine import DEFAULT_PREFILL_CHUNK, EmbeddedPrompt, Engine, StepOutput
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -60,11 +62,12 @@ def prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     cache: KVCache,
-    **media: torch.Tensor | None,
+    media: MediaInputs | None = None,
 ) -> torch.Tensor:
-    """Run the prompt (B, L) and its ``media`` (see ``MEDIA_INPUTS``) into ``cache``; float32 logits
-    (B, V) of the token after it."""
-    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1, **media)
+    """Run the prompt (B, L) and its ``media`` into ``cache``; float32 logits (B, V) of the token
+    after it."""
+    extra = {} if media is None else media.as_dict()
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1, **extra)
     return logits[:, -1].float()
 
 
@@ -89,25 +92,13 @@ def stream(
     *,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams | None = None,
+    media: MediaInputs | None = None,
     stop_token_ids: Sequence[int] | None = None,
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    pixel_values: torch.Tensor | None = None,
-    image_position_ids: torch.Tensor | None = None,
-    input_features: torch.Tensor | None = None,
-    input_features_mask: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    pixel_values_videos: torch.Tensor | None = None,
-    video_position_ids: torch.Tensor | None = None,
-    num_frames_per_video: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
@@ -117,10 +108,8 @@ def stream(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     gen_config = resolve_generation_config(model, generation_config)
-    sampling = dict(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
-    )
-    gen_config.sampling(**sampling)  # checks the values now rather than at the first step
+    if sampling is None:
+        sampling = gen_config.sampling()
     device = model.device
     batch = len(rows)
     context = model.config.text.max_position_embeddings
@@ -144,16 +133,6 @@ def stream(
             f"cache for {cache.num_slots} rows of {cache.max_len} tokens cannot hold "
             f"{batch} rows of {longest} + {max_new_tokens} tokens"
         )
-    media = given(
-        pixel_values=pixel_values,
-        image_position_ids=image_position_ids,
-        input_features=input_features,
-        input_features_mask=input_features_mask,
-        mm_token_type_ids=mm_token_type_ids,
-        pixel_values_videos=pixel_values_videos,
-        video_position_ids=video_position_ids,
-        num_frames_per_video=num_frames_per_video,
-    )
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
@@ -170,17 +149,16 @@ def stream(
         # 10^9 new tokens that stops after one allocates for one.
         preallocate=False,
     )
-    per_row = _media_per_row(model, input_ids, attention_mask, media) if media else [{}] * batch
-    for row, (prompt, extra) in enumerate(zip(rows, per_row)):
+    embedded = _embed_rows(model, input_ids, attention_mask, media) if media else [None] * batch
+    for row, (prompt, row_embedded) in enumerate(zip(rows, embedded)):
         # Every row is its own request; a seed gives each the generator it would have alone.
-        engine._add(
+        engine.add_request(
             row,
             prompt,
-            max_new_tokens=max_new_tokens,
             sampling=sampling,
-            seed=seed,
+            max_new_tokens=max_new_tokens,
             stop_token_ids=stops,
-            **extra,
+            embedded=row_embedded,
         )
     return _loop(engine, batch, torch.full((batch,), pad_id, dtype=torch.long, device=device), stats)
 
@@ -192,9 +170,10 @@ def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats)
     yielded = 0
     while True:
         started = time.perf_counter()
-        for row, token, done in engine.step():
-            produced[row].append(token)
-            finished[row] = finished[row] or done
+        for output in engine.step():
+            _raise_failure(output)
+            produced[output.request_id].append(output.token_id)
+            finished[output.request_id] = finished[output.request_id] or output.finished
         elapsed = time.perf_counter() - started
         if yielded == 0:
             stats.prefill_seconds += elapsed
@@ -212,6 +191,13 @@ def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats)
             yield tokens
         if not engine.has_unfinished_requests() and all(len(p) <= yielded for p in produced):
             return
+
+
+def _raise_failure(output: StepOutput) -> None:
+    # A row's prefill can only fail for reasons that are nobody's input here (its media were
+    # embedded before the first step): the whole call fails, as a forward pass would.
+    if output.error is not None:
+        raise output.error
 
 
 def _prompt_rows(input_ids, attention_mask) -> list[list[int]]:
@@ -238,10 +224,11 @@ def _prompt_rows(input_ids, attention_mask) -> list[list[int]]:
     return rows
 
 
-def _media_per_row(model, input_ids, attention_mask, media) -> list[dict]:
+def _embed_rows(model, input_ids, attention_mask, media: MediaInputs) -> list[EmbeddedPrompt]:
     """Embeddings of a padded multimodal batch, made at once (as transformers does), split by row."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("media go with a (batch, length) tensor of prompts, as the processor returns them")
+    media = media.as_dict()
     types = media.pop("mm_token_type_ids", None)
     if types is not None and types.shape != input_ids.shape:
         raise ValueError(
@@ -258,11 +245,11 @@ def _media_per_row(model, input_ids, attention_mask, media) -> list[dict]:
         torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
     )
     return [
-        {
-            "embeds": embeds[b][mask[b]][None],
-            "text_ids": text_ids[b][mask[b]][None],
-            "blocks": None if blocks is None else blocks[b][mask[b]][None],
-        }
+        EmbeddedPrompt(
+            embeds[b][mask[b]][None],
+            text_ids[b][mask[b]][None],
+            None if blocks is None else blocks[b][mask[b]][None],
+        )
         for b in range(ids.shape[0])
     ]
 
@@ -273,46 +260,36 @@ def generate(
     *,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams | None = None,
+    media: MediaInputs | None = None,
     stop_token_ids: Sequence[int] | None = None,
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
-    pixel_values: torch.Tensor | None = None,
-    image_position_ids: torch.Tensor | None = None,
-    input_features: torch.Tensor | None = None,
-    input_features_mask: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    pixel_values_videos: torch.Tensor | None = None,
-    video_position_ids: torch.Tensor | None = None,
-    num_frames_per_video: torch.Tensor | None = None,
 ) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
     * ``input_ids`` may also be a list of prompts of any lengths (lists of ids, no padding): the
       result is then a list of lists, each prompt followed by its new tokens up to its stop token.
     * ``attention_mask`` (B, L): 1 for real tokens, 0 for left padding (default: all real).
-    * Sampling: a parameter left as None takes ``generation_config``'s value (a ``GenerationConfig``
-      or the dict of a ``generation_config.json``); without one, decoding is greedy.
-      ``temperature=0`` is always greedy. ``seed`` makes sampling reproducible (a private
-      ``torch.Generator``); without it sampling draws from torch's global RNG.
+    * ``sampling``: a ``SamplingParams`` for every row; None takes ``generation_config``'s defaults
+      (a ``GenerationConfig`` or the dict of a ``generation_config.json``; without one, decoding is
+      greedy). ``GenerationConfig.sampling(temperature=...)`` sets some and takes the config's
+      defaults for the rest. ``temperature=0`` is always greedy. Its ``seed`` makes sampling
+      reproducible (a private ``torch.Generator`` per row); without it sampling draws from torch's
+      global RNG.
     * ``stop_token_ids``: a row stops after producing one of these. None means
       ``generation_config``'s ``eos_token_id`` list, else the model config's; ``[]`` never stops.
       Rows that stopped are filled with the pad id; N < ``max_new_tokens`` when all rows stop.
     * ``max_new_tokens`` is cut to what the model's context leaves after the longest prompt; a
       prompt that fills the context raises ValueError.
     * ``cache``: a ``model.make_cache(B, >= L + N)`` to reuse (it is reset first).
-    * Media, as transformers' Gemma 4 processor returns them (``torchgemma.processing.
-      prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
+    * ``media``: a ``MediaInputs`` of transformers' Gemma 4 processor outputs (``torchgemma.
+      processing.prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
       ``image_position_ids``, ``input_features`` with ``input_features_mask``,
       ``pixel_values_videos`` with ``video_position_ids`` and ``num_frames_per_video``, and
-      ``mm_token_type_ids`` (B, L). They are used by the prefill only, so
-      ``generate(model, **processor_outputs, ...)`` works as with transformers.
+      ``mm_token_type_ids`` (B, L); ``MediaInputs.from_dict`` takes them by name. They are used by
+      the prefill only, as transformers' ``generate`` uses them.
     """
     tokens = list(
         stream(
@@ -320,24 +297,12 @@ def generate(
             input_ids,
             attention_mask=attention_mask,
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
+            sampling=sampling,
+            media=media,
             stop_token_ids=stop_token_ids,
             generation_config=generation_config,
             cache=cache,
             stats=stats,
-            pixel_values=pixel_values,
-            image_position_ids=image_position_ids,
-            input_features=input_features,
-            input_features_mask=input_features_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            pixel_values_videos=pixel_values_videos,
-            video_position_ids=video_position_ids,
-            num_frames_per_video=num_frames_per_video,
         )
     )
     if not isinstance(input_ids, torch.Tensor):

@@ -21,7 +21,9 @@ class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy; a filter set to None is off.
 
     ``top_k = 0`` and ``top_p = 1`` are off too, and ``repetition_penalty = 1`` changes nothing,
-    as in transformers.
+    as in transformers. ``seed`` gives each request (each row of a batch) its own generator, so it
+    draws what it would draw alone; None draws from torch's global RNG.
+    ``GenerationConfig.sampling`` fills what a caller leaves unset from a checkpoint's defaults.
     """
 
     temperature: float = 0.0
@@ -29,6 +31,7 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ..generation.engine import Engine, TokenLogprobs
+from ..generation.engine import Engine, StepOutput, TokenLogprobs
 
 
 class Busy(RuntimeError):
@@ -64,7 +64,8 @@ class EngineRunner:
     # ── for handlers (event loop thread) ────────────────────────────────────────────────────
 
     def submit(self, input_ids: list[int], **request: Any) -> tuple[Hashable, asyncio.Queue]:
-        """Queue a request (``Engine.add_request`` arguments); its id and the queue of its tokens."""
+        """Queue a request (``Engine.add_request``'s keyword arguments: ``sampling``, ``media``,
+        ``max_new_tokens``, ...); its id and the queue of its tokens."""
         with self._lock:
             waiting = self._in_flight - self.engine.max_batch_size
             if waiting >= self.max_waiting:
@@ -111,15 +112,15 @@ class EngineRunner:
                 self._fail_all(error)
                 continue
             now = time.perf_counter()
-            for request_id, error in getattr(engine, "failed", {}).items():
-                self._end(request_id, error)
-            for request_id, token, finished in outputs:
-                reason = engine.finished.get(request_id)
-                self._deliver(
-                    request_id, Token(token, finished, reason, engine.logprobs.get(request_id)), now
-                )
+            tokens = 0
+            for output in outputs:
+                if output.error is not None:
+                    self._end(output.request_id, output.error)
+                else:
+                    self._deliver(output, now)
+                    tokens += 1
             if self.metrics is not None:
-                self.metrics.step(len(outputs), now - started)
+                self.metrics.step(tokens, now - started)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -142,7 +143,9 @@ class EngineRunner:
                     self.engine.abort_request(request_id)
                     self._end(request_id, None, notify=False)
 
-    def _deliver(self, request_id: Hashable, token: Token, now: float) -> None:
+    def _deliver(self, output: StepOutput, now: float) -> None:
+        request_id = output.request_id
+        token = Token(output.token_id, output.finished, output.finish_reason, output.logprobs)
         subscriber = self._subscribers.get(request_id)
         if subscriber is None:
             return
