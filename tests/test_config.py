@@ -403,3 +403,104 @@ def test_oversize_config_file_is_refused_unread(tmp_path):
         f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: no disk used, and never read
     with pytest.raises(ConfigError, match=rf"config.json is {MAX_CONFIG_BYTES + 1:,} bytes, more than any"):
         ModelConfig.from_file(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Family knowledge: asked of the config, never by comparing model_type elsewhere
+
+FAMILY_TEXT = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    global_head_dim=8,
+    sliding_window=5,
+    layer_types=[SLIDING, FULL] * 2,
+)
+GEMMA3N_TEXT = dict(
+    FAMILY_TEXT, num_kv_shared_layers=2, hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2
+)
+
+
+def family_configs() -> dict[str, ModelConfig]:
+    """One tiny config of every supported model_type."""
+    from checkpoints import TINY_VISION
+
+    tops = {
+        "gemma4": {"vision_config": TINY_VISION},
+        "gemma3": {"vision_config": {"hidden_size": 1152}},  # SigLIP: not built
+        "gemma3n": {"vision_config": {"vocab_offset": 260, "vocab_size": 20}, "audio_config": {
+            "vocab_offset": 280, "vocab_size": 20, "hidden_size": 16, "conf_num_hidden_layers": 1,
+            "conf_num_attention_heads": 2, "sscp_conv_channel_size": [4, 3]}},
+        "gemma4_unified": {
+            "vision_config": {"mm_embed_dim": 32, "output_proj_dims": 32, "mm_posemb_size": 16},
+            "audio_config": {"audio_embed_dim": 24},
+        },
+    }  # fmt: skip
+    configs = {}
+    for family, top in tops.items():
+        text = GEMMA3N_TEXT if family == "gemma3n" else FAMILY_TEXT
+        configs[family] = ModelConfig.from_hf({"model_type": family, "text_config": text, **top})
+        configs[f"{family}_text"] = ModelConfig.from_hf({"model_type": f"{family}_text", **text})
+    return configs
+
+
+def test_family_facts():
+    configs = family_configs()
+    assert {t: c.family.name for t, c in configs.items()} == {t: t.removesuffix("_text") for t in configs}
+    assert {t for t, c in configs.items() if c.text_only} == {t for t in configs if t.endswith("_text")}
+    assert {t for t, c in configs.items() if c.takes_media} == {"gemma4", "gemma4_unified"}
+    assert {t for t, c in configs.items() if c.encoder_free} == {"gemma4_unified"}
+    assert configs["gemma3"].towers_note == "torchgemma builds only the text model of model_type 'gemma3'"
+    assert "not its vision tower" in configs["gemma3n"].towers_note
+    for model_type in ("gemma4", "gemma4_unified", "gemma3_text", "gemma3n_text"):
+        assert configs[model_type].towers_note == "config.json describes none"
+
+
+def test_checkpoint_names_round_trip_every_tensor():
+    """Every parameter and persistent buffer of every family's model has a checkpoint name that
+    loads back into it (the names torchgemma.save writes, the names load reads)."""
+    import torch
+
+    from torchgemma.model import Gemma
+
+    for model_type, config in family_configs().items():
+        with torch.device("meta"):
+            model = Gemma(config)
+        persistent = set(model.state_dict())
+        paths = [n for n, _ in model.named_parameters()]
+        paths += [n for n, _ in model.named_buffers() if n in persistent]
+        for path in paths:
+            name = config.checkpoint_name(path)
+            assert name.startswith("model."), (model_type, path)
+            assert config.module_path(name) == path, (model_type, path, name)
+
+
+def test_module_path_follows_each_family():
+    configs = family_configs()
+    gemma4, gemma3, gemma3n = configs["gemma4"], configs["gemma3"], configs["gemma3n"]
+    text = configs["gemma3_text"]
+    assert gemma4.module_path("model.language_model.norm.weight") == "language_model.norm.weight"
+    assert gemma4.module_path("model.vision_tower.encoder.x") == "vision_tower.encoder.x"
+    # Gemma 3's published multimodal layout; its SigLIP tower and projector are not built.
+    assert gemma3.module_path("language_model.model.norm.weight") == "language_model.norm.weight"
+    assert gemma3.module_path("vision_tower.vision_model.head.weight") is None
+    assert gemma3.module_path("multi_modal_projector.mm_input_projection_weight") is None
+    # Gemma 3n: its vision tower and soft-token norm are not built; the embedders sit in the text model.
+    assert gemma3n.module_path("model.vision_tower.timm_model.conv_stem.weight") is None
+    assert gemma3n.module_path("model.embed_vision.soft_embedding_norm.weight") is None
+    embedder = "language_model.embed_audio.embedding.weight"
+    assert gemma3n.module_path("model.embed_audio.embedding.weight") == embedder
+    assert gemma3n.checkpoint_name(embedder) == "model.embed_audio.embedding.weight"
+    # KV-shared layers (2 and 3 of 4) have no k/v weights: published files' copies are skipped.
+    assert gemma3n.module_path("model.language_model.layers.3.self_attn.k_proj.weight") is None
+    assert gemma3n.module_path("model.language_model.layers.1.self_attn.k_proj.weight") is not None
+    # *ForCausalLM and *TextModel (EmbeddingGemma) names; a tied head's copy is skipped.
+    assert text.module_path("model.norm.weight") == "language_model.norm.weight"
+    assert text.module_path("norm.weight") == "language_model.norm.weight"
+    assert text.module_path("lm_head.weight") is None
+    untied = ModelConfig.from_hf(dict(FAMILY_TEXT, model_type="gemma3_text", tie_word_embeddings=False))
+    assert untied.module_path("lm_head.weight") == "language_model.lm_head.weight"

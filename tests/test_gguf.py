@@ -254,7 +254,7 @@ def test_dequantize_is_gguf_quants_to_the_bit_on_any_bytes(qtype, monkeypatch):
     """Whole-tensor decoding equals gguf.quants (the former implementation) bit for bit on arbitrary
     bytes, NaN and infinite scales included, across chunk boundaries and into every float dtype (cast
     once from the same float32 values)."""
-    import torchgemma.weights.gguf as gguf_module
+    import torchgemma.weights.gguf.blocks as gguf_module
 
     block, size = GGML_QUANT_SIZES[qtype]
     rows, cols = 5, 3 * 256
@@ -956,7 +956,7 @@ def test_grouped_ints_convert_in_slabs_and_widen_scales_when_one_is_not_half(mon
     raw[-1, :2] = np.array([30000.0], np.float16).view(np.uint8)  # -8 d overflows float16
     released = []
     row_bytes = raw.size // rows
-    import torchgemma.weights.gguf as gguf_module
+    import torchgemma.weights.gguf.blocks as gguf_module
 
     monkeypatch.setattr(gguf_module, "_SLAB_BYTES", 16 * row_bytes)  # 16 rows per slab
     ints = grouped_ints(raw, T.Q4_0, (rows, cols), lambda a, b: released.append((a, b)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .cache import sliding_ring
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 from .model import Gemma
 from .model.text import Experts
 from .quantization import quantizable as quantizable_weights
@@ -95,10 +95,7 @@ def checkpoint_config(source: str | Path) -> ModelConfig:
         return ModelConfig.from_file(local)
     from .weights.gguf import read_gguf
 
-    try:
-        return ModelConfig.from_hf(read_gguf(local).config)
-    except ConfigError as err:
-        raise ConfigError(f"{local}: {err}") from err
+    return read_gguf(local).model_config  # a ConfigError names the file
 
 
 def sentence_head_shapes(source: str | Path) -> dict:

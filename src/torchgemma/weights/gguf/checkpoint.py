@@ -1,0 +1,203 @@
+"""A GGUF file as a Hugging Face checkpoint (``read_gguf``): the loader-facing entry points.
+
+``GGUFCheckpoint`` gives the config read from the file's metadata and its tensors under their
+Hugging Face names, dequantized one at a time (or kept as grouped integers), after checking that
+the tensors are the ones the model that config builds takes, each with its shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ...config import ConfigError, ModelConfig
+from .blocks import INT_TYPES, SUPPORTED_TYPES, GroupedInts, dequantize, grouped_ints
+from .metadata import read_config
+from .names import SUPPORTED_ARCHITECTURES, Entry, check_layers, hf_shape, plan_tensors
+from .reader import GGUFError, _GGUFFile
+
+
+class GGUFCheckpoint:
+    """A GGUF file read as a Hugging Face checkpoint: ``config`` and ``tensors()``.
+
+    Made by ``read_gguf``. The file stays memory-mapped; tensors are dequantized one at a time when
+    iterated. Attributes: ``config`` (a ``config.json`` dict for ``Gemma3ForCausalLM`` /
+    ``Gemma3nForCausalLM`` / ``Gemma4ForCausalLM``), ``model_config`` (the ``ModelConfig`` read from
+    it), ``metadata`` (every GGUF key/value), ``architecture`` (``"gemma3"`` / ``"gemma3n"`` /
+    ``"gemma4"``), ``skipped`` (GGUF tensors not yielded, each with the reason).
+    """
+
+    def __init__(self, file: _GGUFFile):
+        self.path = file.path
+        self.metadata = file.metadata
+        self.architecture: str = file.metadata["general.architecture"]
+        self._file = file
+        self._gguf = file.tensors
+        check_layers(file, self.architecture)  # before anything is built per layer
+        for info in self._gguf.values():
+            file.check(info)
+        self.config = read_config(file)
+        self._entries, self.skipped = plan_tensors(self.architecture, self.config, self._gguf, file.name)
+        self._by_name = {e.hf_name: e for e in self._entries}
+        self._check_types()
+        try:
+            self.model_config = ModelConfig.from_hf(self.config)
+        except ConfigError as err:
+            raise ConfigError(f"{self.path}: {err}") from err
+        self._check_shapes()
+
+    # -- public API --------------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        """Hugging Face names of the tensors ``tensors()`` yields, in file order."""
+        return [e.hf_name for e in self._entries]
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The Hugging Face shape of one tensor, without reading it."""
+        entry = self._entry(hf_name)
+        shape = hf_shape([self._gguf[s] for s in entry.sources])
+        return shape if entry.part is None else shape[1:]
+
+    def gguf_types(self) -> dict[str, str]:
+        """The GGML type each Hugging Face tensor is stored in (e.g. ``{"model.norm.weight": "F32"}``)."""
+        return {e.hf_name: "+".join(self._gguf[s].type_name for s in e.sources) for e in self._entries}
+
+    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor, dequantized, in Hugging Face layout and semantics, cast to ``dtype``."""
+        return self._load(self._entry(hf_name), dtype)
+
+    def int_format(self, hf_name: str) -> tuple[int, int, bool] | None:
+        """(bits, group size, offsets?) if ``grouped_ints`` reads the tensor, else None: its type is
+        not in ``INT_TYPES``, or it needs a conversion (split experts, Gemma 3's shifted norms)."""
+        entry = self._entry(hf_name)
+        info = self._gguf[entry.sources[0]]
+        if (
+            len(entry.sources) != 1
+            or entry.shift_norm
+            or entry.part is not None
+            or len(info.shape) not in (2, 3)
+        ):
+            return None
+        return INT_TYPES.get(info.qtype)
+
+    def grouped_ints(self, hf_name: str) -> GroupedInts:
+        """One tensor as the file stores it, for the tensors ``int_format`` accepts."""
+        if self.int_format(hf_name) is None:
+            raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
+        info = self._gguf[self._entry(hf_name).sources[0]]
+        ints = grouped_ints(
+            self._file.raw(info), info.qtype, info.shape, lambda a, b: self._file.release(info, a, b)
+        )
+        self._file.release(info)
+        return ints
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every checkpoint tensor, one dequantized tensor at a time.
+
+        Values are dequantized to float32, corrected there (Gemma 3 norms) and only then cast to
+        ``dtype``, so a bfloat16 request rounds once.
+        """
+        for entry in self._entries:
+            yield entry.hf_name, self._load(entry, dtype)
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """All tensors at once (small models and tests; large models should stream ``tensors()``)."""
+        return dict(self.tensors(dtype))
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFCheckpoint({self.path.name!r}, {self.config['model_type']}, {len(self._entries)} tensors)"
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _entry(self, hf_name: str) -> Entry:
+        try:
+            return self._by_name[hf_name]
+        except KeyError:
+            raise KeyError(f"{self.path.name} has no tensor {hf_name!r}") from None
+
+    def _load(self, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+        parts = [self._gguf[s] for s in entry.sources]
+        if entry.shift_norm:
+            # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
+            # float32, where the converter added it, before any cast.
+            (info,) = parts
+            tensor = (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
+        elif entry.part is not None:
+            # A stacked source: dequantized whole (in float32, then cast), one matrix kept, copied
+            # out (a view would keep the whole stack alive in the parameter that adopts it).
+            (info,) = parts
+            tensor = dequantize(self._file.raw(info), info.qtype, info.shape)[entry.part].clone().to(dtype)
+        else:
+            values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
+            tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        for info in parts:
+            self._file.release(info)
+        return tensor
+
+    def _check_types(self) -> None:
+        for entry in self._entries:
+            for source in entry.sources:
+                info = self._gguf[source]
+                if info.qtype not in SUPPORTED_TYPES:
+                    raise GGUFError(
+                        f"{self.path.name}: tensor {source} is stored as {info.type_name}, a GGML type this "
+                        f"reader cannot dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+                    )
+
+    def _check_shapes(self) -> None:
+        """Every tensor against the model ``model_config`` builds, made on the meta device (no memory,
+        no weights), as the loader checks a checkpoint (weights/loading.py): one model definition."""
+        from ...model import Gemma
+
+        config = self.model_config
+        with torch.device("meta"):
+            model = Gemma(config)
+        expected = _model_shapes(model)
+        problems = []
+        covered = set()
+        for entry in self._entries:
+            path = config.module_path(entry.hf_name)
+            want = expected.get(path) if path is not None else None
+            if want is None:
+                problems.append(f"unexpected tensor {entry.hf_name} (from {', '.join(entry.sources)})")
+                continue
+            covered.add(path)
+            got = self.shape(entry.hf_name)
+            if got != want:
+                problems.append(
+                    f"{entry.hf_name} (from {entry.sources[0]}) has shape {list(got)}, config implies {list(want)}"
+                )
+        problems += [f"missing tensor {config.checkpoint_name(n)}" for n in expected if n not in covered]
+        if problems:
+            shown = "; ".join(problems[:8]) + (
+                f"; ... ({len(problems)} problems)" if len(problems) > 8 else ""
+            )
+            raise GGUFError(f"{self.path.name} does not match the config read from its metadata: {shown}")
+
+
+def _model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parameters and persistent buffers a checkpoint must cover, by module path."""
+    persistent = set(model.state_dict())
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {name: tuple(t.shape) for name, t in tensors.items() if name in persistent}
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open a Gemma 3, Gemma 3n or Gemma 4 GGUF file (memory-mapped) as a Hugging Face style checkpoint.
+
+    Raises ``GGUFError`` (a ``ValueError``) naming the file and the problem for a file that is not a
+    GGUF, is truncated, uses an unknown or unsupported quantization type, has an architecture other
+    than gemma3/gemma3n/gemma4, or whose tensors disagree with its metadata; ``ConfigError`` (also a
+    ``ValueError``, naming the file) when its metadata describes a model torchgemma cannot build.
+    """
+    file = _GGUFFile(Path(path))
+    arch = file.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{file.name} has architecture {arch!r}; read_gguf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return GGUFCheckpoint(file)
