@@ -9,7 +9,8 @@ from checkpoints import reference_model
 from llm_fixtures import config_variant
 from tokenizer_fixtures import write_gemma4_tokenizer
 from torchgemma.generation import GenerationStats
-from torchgemma.llm import LLM, ChatResult, ReplyStream
+from torchgemma.llm import LLM, ChatResult
+from torchgemma.replies import ReplyStream
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,13 +133,14 @@ def test_chat_sanitizes_typed_control_tokens_unless_told_not_to(llm, hf_tokenize
     assert llm.chat_ids(messages) == expected[True]
     assert llm.chat_inputs(messages)["input_ids"][0].tolist() == expected[True]
     prompts = []
-    original = llm.inputs
+    original = llm.processor.process
 
-    def recording_inputs(rows, images=None, audio=None, videos=None):
-        prompts.append([list(row) for row in rows])
-        return original(rows, images, audio, videos)
+    def recording_process(ids, images=None, audio=None, videos=None):
+        # What the processor is asked to prepare for generation (chat_inputs, chat, stream_chat).
+        prompts.append([list(ids)])
+        return original(ids, images, audio, videos)
 
-    monkeypatch.setattr(llm, "inputs", recording_inputs)
+    monkeypatch.setattr(llm.processor, "process", recording_process)
     for sanitize in (True, False):
         flag = dict(sanitize_control_tokens=sanitize)
         assert llm.chat_ids(messages, **flag) == expected[sanitize]
@@ -164,14 +166,16 @@ def test_chat_sanitizes_typed_control_tokens_unless_told_not_to(llm, hf_tokenize
 def test_reply_stream_splits_thinking(llm, reply):
     """Streamed pieces join to exactly what parse_reply gives for the whole reply."""
     ids = llm.tokenizer.encode(reply, add_special_tokens=False)
-    stream = ReplyStream(llm.tokenizer)
-    chunks = [c for token in ids for c in stream.push(token)] + stream.flush()
+    # Token by token, as LLM.stream_chat reads a reply: decoded, then parsed.
+    decoder, stream = llm.tokenizer.stream_decoder(), ReplyStream(tools=False)
+    chunks = [c for token in ids for c in stream.push(decoder.push(token))]
+    chunks += stream.push(decoder.flush()) + stream.finish()
     thinking, answer = llm.tokenizer.parse_reply(reply)
-    assert "".join(c.text for c in chunks if not c.thinking) == answer
-    assert "".join(c.text for c in chunks if c.thinking) == (thinking or "")
+    assert "".join(c.text for c in chunks if c.kind == "content") == answer
+    assert "".join(c.text for c in chunks if c.kind == "reasoning") == (thinking or "")
     if thinking:
         # Thinking arrives before the answer that follows it, in several pieces.
-        assert chunks[0].thinking and sum(c.thinking for c in chunks) > 1
+        assert chunks[0].kind == "reasoning" and sum(c.kind == "reasoning" for c in chunks) > 1
 
 
 def test_prompt_longer_than_context(llm_checkpoint, tmp_path):
@@ -194,3 +198,86 @@ def test_tokenizer_larger_than_model_vocab(text_checkpoints, tmp_path):
     write_gemma4_tokenizer(folder)
     with pytest.raises(ValueError, match="tokenizer has 1024 ids but the model only 300"):
         LLM(folder)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# A reply that calls the tool, as Gemma 4 writes one, ended by <|tool_response> (id 50, an eos id).
+TOOL_REPLY = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+
+
+def scripted(llm, monkeypatch, text: str) -> None:
+    """The model's next generation replaced by the tokens of ``text`` (the prompt is still processed)."""
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def tokens(input_ids, attention_mask, media, run):
+        return iter(torch.tensor([token]) for token in ids)
+
+    monkeypatch.setattr(llm, "_stream", tokens)
+
+
+def test_chat_with_tools_renders_them_and_parses_the_call(llm, hf_tokenizer, monkeypatch):
+    """tools= reach the chat template (the ids equal transformers'), the reply's call comes back
+    parsed (whole and streamed), and result.message continues the conversation as the template expects."""
+    expected = hf_tokenizer.apply_chat_template(MESSAGES, tools=[WEATHER], add_generation_prompt=True)
+    assert llm.chat_ids(MESSAGES, tools=[WEATHER]) == expected["input_ids"]
+    assert llm.chat_inputs(MESSAGES, tools=[WEATHER])["input_ids"][0].tolist() == expected["input_ids"]
+
+    prompts = []
+    original = llm.processor.process
+
+    def recording_process(ids, *media):
+        prompts.append(list(ids))
+        return original(ids, *media)
+
+    monkeypatch.setattr(llm.processor, "process", recording_process)
+    scripted(llm, monkeypatch, TOOL_REPLY)
+    result = llm.chat(MESSAGES, tools=[WEATHER])
+    assert prompts == [expected["input_ids"]]
+    assert (result.text, result.thinking, result.finish_reason) == ("", None, "stop")
+    [call] = result.tool_calls
+    assert (call.name, call.arguments) == ("get_weather", {"city": "Paris"})
+    chunks = list(llm.stream_chat(MESSAGES, tools=[WEATHER]))
+    assert [(c.tool_call.name, c.tool_call.arguments) for c in chunks if c.tool_call] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert "".join(c.text for c in chunks) == ""
+
+    # The call goes back into the conversation as the template writes it, then its result.
+    history = [*MESSAGES, result.message, {"role": "tool", "name": "get_weather", "content": "Sunny, 21 C"}]
+    assert result.message["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    theirs = hf_tokenizer.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True)
+    ours = llm.chat_ids(history, tools=[WEATHER])
+    assert ours == theirs["input_ids"]
+    assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>' in llm.tokenizer.decode(ours)
+
+
+def test_chat_without_tools_keeps_call_text_as_content(llm, monkeypatch):
+    """No tools offered: a call-shaped reply is not parsed; its text (markers dropped) is the answer."""
+    scripted(llm, monkeypatch, TOOL_REPLY)
+    result = llm.chat(MESSAGES)
+    assert result.tool_calls == () and result.text == 'call:get_weather{city:"Paris"}'
+    assert result.message == {"role": "assistant", "content": result.text}
+    chunks = list(llm.stream_chat(MESSAGES))
+    assert "".join(c.text for c in chunks) == result.text and not any(c.tool_call for c in chunks)
+
+
+def test_sampling_object_or_settings_by_name(llm):
+    """sampling=SamplingParams(...) is the same as its settings by name; both at once is an error."""
+    from torchgemma.generation import SamplingParams
+
+    by_name = llm.generate(PROMPTS[0], max_new_tokens=8, temperature=0.7, top_k=5, seed=4)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.95, seed=4)  # top_p: the checkpoint's
+    assert llm.generate(PROMPTS[0], max_new_tokens=8, sampling=params) == by_name
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate(PROMPTS[0], max_new_tokens=8, sampling=params, temperature=0.7)
+    with pytest.raises(TypeError, match="unknown generation settings: top_q"):
+        llm.generate(PROMPTS[0], max_new_tokens=8, top_q=0.5)

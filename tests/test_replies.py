@@ -1,4 +1,4 @@
-"""Gemma 4's reply grammar (torchgemma.replies): arguments, whole replies, streams split every way, stop strings."""
+"""The reply grammar (torchgemma.replies): arguments, whole replies, streams split every way, stop strings."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from torchgemma.replies import (
     ReplyStream,
     StopStrings,
     ToolCall,
+    forced_call_prefix,
     parse_arguments,
     parse_reply,
+    template_tool_call,
 )
 
 Q = '<|"|>'  # Gemma's string delimiter
@@ -602,3 +604,30 @@ def test_stream_equals_parse_reply_on_random_texts():
             assert "".join(d.text for d in deltas if d.kind == "reasoning") == (expected.reasoning or "")
             calls = [d.tool_call for d in deltas if d.kind == "tool_call"]
             assert _calls(calls) == _calls(expected.tool_calls), pieces
+
+
+# --- The other direction: tool-call syntax written for the model ---------------------------------
+
+
+def test_forced_call_prefix_parses_as_the_start_of_a_call():
+    """The prefix that forces a call (tool_choice), pushed before the generated text, reads as one call."""
+    assert forced_call_prefix() == "<|tool_call>call:"
+    assert forced_call_prefix("get_weather") == "<|tool_call>call:get_weather{"
+    for prefix, generated in (
+        (forced_call_prefix(), f"get_weather{{city:{Q}Paris{Q}}}<tool_call|>"),
+        (forced_call_prefix("get_weather"), f"city:{Q}Paris{Q}}}<tool_call|>"),
+    ):
+        whole = parse_reply(prefix + generated)
+        assert [(c.name, c.arguments) for c in whole.tool_calls] == [("get_weather", {"city": "Paris"})]
+        stream = ReplyStream()
+        deltas = stream.push(prefix) + stream.push(generated) + stream.finish()
+        assert [d.tool_call.arguments for d in deltas if d.kind == "tool_call"] == [{"city": "Paris"}]
+        assert not [d for d in deltas if d.kind != "tool_call"]
+
+
+def test_a_parsed_call_goes_back_as_the_template_reads_it():
+    text = f"<|tool_call>call:files.read{{path:{Q}a.txt{Q},lines:[1,2]}}<tool_call|>"
+    [call] = parse_reply(text).tool_calls
+    arguments = {"path": "a.txt", "lines": [1, 2]}
+    entry = {"type": "function", "function": {"name": "files.read", "arguments": arguments}}
+    assert call.template_entry() == entry == template_tool_call("files.read", arguments)
