@@ -176,7 +176,10 @@ class LLM:
         input write them (see ``Tokenizer.apply_chat_template``).
         """
         return self.processor.chat_ids(
-            messages, enable_thinking=enable_thinking, tools=tools, sanitize_control_tokens=sanitize_control_tokens
+            messages,
+            enable_thinking=enable_thinking,
+            tools=tools,
+            sanitize_control_tokens=sanitize_control_tokens,
         )
 
     def inputs(
@@ -213,7 +216,10 @@ class LLM:
 
         With sanitizing, a ``<|image|>`` typed in text is text, not a placeholder for an image."""
         prompt = self.processor.chat(
-            messages, enable_thinking=enable_thinking, tools=tools, sanitize_control_tokens=sanitize_control_tokens
+            messages,
+            enable_thinking=enable_thinking,
+            tools=tools,
+            sanitize_control_tokens=sanitize_control_tokens,
         )
         ids = torch.tensor([prompt.input_ids], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **prompt.media.as_dict()}
@@ -314,7 +320,10 @@ class LLM:
         """
         run = self._settings(sampling, settings, max_new_tokens, stats, chat=True)
         request = self.processor.chat(
-            messages, enable_thinking=enable_thinking, tools=tools, sanitize_control_tokens=sanitize_control_tokens
+            messages,
+            enable_thinking=enable_thinking,
+            tools=tools,
+            sanitize_control_tokens=sanitize_control_tokens,
         )
         ids = list(self._tokens(request, run, keep_stop=True))
         stopped = bool(ids) and ids[-1] in run.stops
@@ -347,7 +356,10 @@ class LLM:
         """
         run = self._settings(sampling, settings, max_new_tokens, stats, chat=True)
         request = self.processor.chat(
-            messages, enable_thinking=enable_thinking, tools=tools, sanitize_control_tokens=sanitize_control_tokens
+            messages,
+            enable_thinking=enable_thinking,
+            tools=tools,
+            sanitize_control_tokens=sanitize_control_tokens,
         )
         decoder = self.tokenizer.stream_decoder()
         reply = ReplyStream(tools=bool(tools))

@@ -334,7 +334,8 @@ class Processor:
             )
         elif visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
             raise ValueError(
-                f"image preprocessing makes {PATCH_SIZE} px patches pooled {POOLING_KERNEL}x{POOLING_KERNEL}, "
+                f"image preprocessing makes {PATCH_SIZE} px patches pooled "
+                f"{POOLING_KERNEL}x{POOLING_KERNEL}, "
                 f"but this vision tower takes {vision.patch_size} px patches pooled "
                 f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
             )
