@@ -34,6 +34,7 @@ from torchgemma.debug import (
     logit_error,
     plot_compare,
 )
+from torchgemma.model import attention as model_attention
 from torchgemma.model import layers as model_layers
 from torchgemma.model import text as model_text
 
@@ -165,7 +166,7 @@ def real(plots: Path | None) -> None:
 @contextmanager
 def attention_probe(entropies: list[float]):
     """Record every eager attention's mean softmax entropy (nats, over heads and query positions)."""
-    original = model_text.eager_attention
+    original = model_attention.eager_attention
 
     def probed(query, key, value, mask, scale=1.0):
         groups = query.shape[1] // key.shape[1]
@@ -177,11 +178,11 @@ def attention_probe(entropies: list[float]):
         entropies.append(float(-(logp.exp() * logp.nan_to_num(0.0, 0.0, 0.0)).sum(-1).mean()))
         return original(query, key, value, mask, scale)
 
-    model_text.eager_attention = probed
+    model_attention.eager_attention = probed
     try:
         yield
     finally:
-        model_text.eager_attention = original
+        model_attention.eager_attention = original
 
 
 def without_qk_norm(model) -> list:

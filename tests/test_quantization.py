@@ -834,52 +834,6 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
         else:
             assert not calls
     assert runs[True] == runs[False]
-# ── fused norms ────────────────────────────────────────────────────────────────────────────────
-
-
-@pytest.mark.parametrize(("plus_one", "with_scale"), [(True, True), (False, True), (False, False)])
-def test_fused_rms_norm_is_the_reference_to_rounding(plus_one, with_scale):
-    """One C++ call = RMSNorm's dozen operators to a float32 rounding (not to the bit: the mean is
-    summed in another order), for every variant: Gemma 3's 1 + w, Gemma 4's w, no scale."""
-    from torchgemma.model.layers import RMSNorm
-    from torchgemma.quantization.modules import FusedRMSNorm
-
-    if not ensure_kernels():
-        pytest.skip(kernels.kernel_status())
-    gen = torch.Generator().manual_seed(0)
-    reference = RMSNorm(640, 1e-6, with_scale=with_scale, plus_one=plus_one)
-    if with_scale:
-        reference.weight.data = torch.randn(640, generator=gen) * 0.3
-    fused = RMSNorm(640, 1e-6, with_scale=with_scale, plus_one=plus_one)
-    fused.load_state_dict(reference.state_dict())
-    fused.__class__ = FusedRMSNorm
-    x = _activations(12, 640, seed=4).view(2, 3, 2, 640).transpose(1, 2)  # not contiguous
-    ours, theirs = fused(x), reference(x)
-    assert ours.shape == theirs.shape and ours.dtype == torch.float32
-    assert ((ours - theirs).abs() <= 4e-7 * theirs.abs().amax(-1, keepdim=True)).all()
-    assert torch.equal(fused(x.bfloat16()), reference(x.bfloat16()))  # other dtypes: the reference
-
-
-def test_fused_rope_is_apply_rope_to_the_bit():
-    """One C++ call = apply_rope's operators to the bit (float32 CPU), on a non-contiguous input with
-    several rows, tokens and heads; other dtypes take apply_rope itself."""
-    from torchgemma.model.layers import apply_rope, rope_cos_sin
-    from torchgemma.quantization.modules import fused_rope
-
-    if not ensure_kernels():
-        pytest.skip(kernels.kernel_status())
-    gen = torch.Generator().manual_seed(2)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 256, 2).float() / 256)
-    positions = torch.tensor([[0, 1, 2, 7, 4095], [9, 10, 11, 12, 13]])
-    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
-    x = torch.randn(2, 4, 5, 256, generator=gen).transpose(1, 2) * 3  # (B, T, H, D), not contiguous
-    assert torch.equal(fused_rope(x, cos, sin), apply_rope(x, cos, sin))
-    half = [t.bfloat16() for t in (x, cos, sin)]
-    assert torch.equal(fused_rope(*half), apply_rope(*half))
-
-
-
-
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "keys", "dim"), [(4, 1, 190, 256), (8, 2, 37, 64), (2, 2, 1, 24)]
 )
@@ -909,8 +863,9 @@ def test_quantized_models_fuse_their_decoder_norms_and_rope(text_checkpoints):
     """quantize() and a quantized load both fuse the text decoder's norms and rotations; a float
     model does not."""
     from torchgemma.model.layers import RMSNorm, apply_rope
-    from torchgemma.model.text import ATTENTION, Attention
-    from torchgemma.quantization.modules import FUSED_ATTENTION, FusedRMSNorm, fused_rope
+    from torchgemma.acceleration.cpu_fusions import FUSED_ATTENTION, FusedRMSNorm, fused_rope
+    from torchgemma.model.attention import ATTENTION
+    from torchgemma.model.text import Attention
 
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())

@@ -30,7 +30,7 @@ from gemma3_checkpoints import gemma3_checkpoint
 from torchgemma import reference
 from torchgemma.config import FULL, RopeSpec
 from torchgemma.model.layers import RMSNorm, apply_rope, eager_attention, gelu_tanh, rope_cos_sin
-from torchgemma.model.text import allowed_keys
+from torchgemma.model.masks import allowed_keys
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 
 import importlib
 
-from .acceleration import compile
+from .acceleration import compile, fuse_cpu_ops
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
 from .generation import Engine, SamplingParams, StepOutput, generate, stream
@@ -59,6 +59,7 @@ __all__ = [
     "Video",
     "compile",
     "embed",
+    "fuse_cpu_ops",
     "generate",
     "load",
     "load_tokenizer",

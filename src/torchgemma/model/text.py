@@ -27,7 +27,6 @@ one mask per attention type, where the cache puts the tokens), then runs the sta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +34,9 @@ from torch import nn
 
 from ..cache import CacheStep, FullLayerCache, KVCache, SlidingLayerCache
 from ..config import LayerSpec, MediaVocabulary, RopeSpec, TextConfig
-from .layers import (
-    GatedMLP,
-    RMSNorm,
-    apply_rope,
-    eager_attention,
-    gelu_tanh,
-    rope_cos_sin,
-    rounded_scales,
-)
-
-ATTENTION_BACKENDS = ("eager", "sdpa")
+from .attention import ATTENTION, ATTENTION_BACKENDS, AttentionInputs
+from .layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin, rounded_scales
+from .masks import attention_inputs, cached_keys, uncached_keys
 
 
 def text_norm(config: TextConfig, dim: int) -> RMSNorm:
@@ -107,105 +98,45 @@ class MediaTokenEmbedder(nn.Module):
         return self.embedding_post_projection_norm(self.embedding_projection(self.soft_embedding_norm(x)))
 
 
-# ── attention ───────────────────────────────────────────────────────────────────────────────────
+# ── rotary tables and attention ──────────────────────────────────────────────────────────────
 
 
-@dataclass
-class AttentionInputs:
-    """What the layers of one attention type attend with, besides their keys and values.
+class RotaryTables(nn.Module):
+    """One float32 inverse-frequency table per attention type."""
 
-    ``mask`` (B, 1, T, S): additive (eager) or True-to-attend (sdpa); None means ``causal`` over
-    T == S keys, or every key. ``key_slice``: the keys all rows read, when it is the same slice for
-    every row. ``rows``: each row's own keys ``(start, end, causal_alone)`` when they differ; both
-    backends then attend row by row to exactly those, as the row would alone, so a sequence gets
-    the same bits whatever its neighbours in the batch (``causal_alone``: sdpa would skip the mask).
-    """
+    def __init__(self, rope: dict[str, RopeSpec]):
+        super().__init__()
+        self.specs = rope
+        for layer_type, spec in rope.items():
+            self.register_buffer(layer_type, spec.inv_freq(), persistent=False)
 
-    cos: torch.Tensor  # (B, T, D)
-    sin: torch.Tensor
-    mask: torch.Tensor | None
-    causal: bool = False
-    key_slice: slice | None = None
-    rows: list[tuple[int, int, bool]] | None = None
+    def _apply(self, fn, recurse=True):
+        # A blanket .to(bfloat16) would round the frequencies and move every angle (the reference
+        # keeps them in float32), and to_empty() leaves them uninitialised: recompute them on
+        # whatever device the module went to.
+        super()._apply(fn, recurse)
+        for layer_type, spec in self.specs.items():
+            device = getattr(self, layer_type).device
+            if device.type != "meta":
+                setattr(self, layer_type, spec.inv_freq().to(device))
+        return self
 
-    def last(self, n: int) -> AttentionInputs:
-        """The same for the last ``n`` queries only."""
-        return replace(
-            self,
-            cos=self.cos[:, -n:],
-            sin=self.sin[:, -n:],
-            mask=None if self.mask is None else self.mask[:, :, -n:],
-            # One query of a causal block sees every key (callers keep n == 1 without a mask).
-            causal=False,
-        )
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {t: rope_cos_sin(self._table(t, dtype), positions, dtype) for t in self.specs}
 
-
-def eager_backend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
-) -> torch.Tensor:
-    """Transformers' eager attention: repeated KV heads, float32 softmax. Returns (B, T, H, D)."""
-    if inputs.key_slice is not None:
-        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
-    if inputs.rows is None:
-        return eager_attention(query, key, value, inputs.mask, scale)
-    mask = inputs.mask
-    return torch.cat(
-        [
-            eager_attention(
-                query[b : b + 1],
-                key[b : b + 1, :, s:e],
-                value[b : b + 1, :, s:e],
-                mask[b : b + 1, ..., s:e],
-                scale,
-            )
-            for b, (s, e, _) in enumerate(inputs.rows)
-        ]
-    )
-
-
-def sdpa_backend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
-) -> torch.Tensor:
-    """``scaled_dot_product_attention``: KV heads shared in place (``enable_gqa``), memory bounded by
-    the kernel's blocking rather than T x S scores. Returns (B, T, H, D)."""
-    if inputs.key_slice is not None:
-        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
-    if inputs.rows is not None:
-        return torch.cat(
-            [
-                _sdpa(
-                    query[b : b + 1],
-                    key[b : b + 1, :, s:e],
-                    value[b : b + 1, :, s:e],
-                    None if alone else inputs.mask[b : b + 1, ..., s:e],
-                    alone,
-                    scale,
-                )
-                for b, (s, e, alone) in enumerate(inputs.rows)
-            ]
-        )
-    return _sdpa(query, key, value, inputs.mask, inputs.causal, scale)
-
-
-def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=mask is None and causal and query.shape[2] > 1,
-        scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
-    return out.transpose(1, 2)
-
-
-ATTENTION = {"eager": eager_backend, "sdpa": sdpa_backend}
+    def _table(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor:
+        table = getattr(self, layer_type)
+        if dtype != torch.float64:
+            return table
+        # A float64 model: frequencies computed in float64 (a few hundred values, per call).
+        return self.specs[layer_type].inv_freq(torch.float64).to(table.device)
 
 
 class Attention(nn.Module):
-    # How queries and keys are rotated, and what each backend name runs (a quantized model on the
-    # CPU swaps in C++ calls for RoPE and for one new token's attention: quantization.fuse_ops).
+    # How queries and keys are rotated, and what each backend name runs (acceleration.fuse_cpu_ops
+    # swaps in C++ calls for RoPE and for one new token's attention).
     rope = staticmethod(apply_rope)
     backends = ATTENTION
 
@@ -494,79 +425,6 @@ class DecoderLayer(nn.Module):
         return self.post_per_layer_input_norm(self.per_layer_projection(gate))
 
 
-# ── masks and rotary tables ──────────────────────────────────────────────────────────────────
-
-
-class RotaryTables(nn.Module):
-    """One float32 inverse-frequency table per attention type."""
-
-    def __init__(self, rope: dict[str, RopeSpec]):
-        super().__init__()
-        self.specs = rope
-        for layer_type, spec in rope.items():
-            self.register_buffer(layer_type, spec.inv_freq(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # A blanket .to(bfloat16) would round the frequencies and move every angle (the reference
-        # keeps them in float32), and to_empty() leaves them uninitialised: recompute them on
-        # whatever device the module went to.
-        super()._apply(fn, recurse)
-        for layer_type, spec in self.specs.items():
-            device = getattr(self, layer_type).device
-            if device.type != "meta":
-                setattr(self, layer_type, spec.inv_freq().to(device))
-        return self
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {t: rope_cos_sin(self._table(t, dtype), positions, dtype) for t in self.specs}
-
-    def _table(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor:
-        table = getattr(self, layer_type)
-        if dtype != torch.float64:
-            return table
-        # A float64 model: frequencies computed in float64 (a few hundred values, per call).
-        return self.specs[layer_type].inv_freq(torch.float64).to(table.device)
-
-
-def allowed_keys(
-    query_index: torch.Tensor,
-    key_index: torch.Tensor,
-    key_valid: torch.Tensor,
-    window: int | None,
-    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
-    bidirectional: bool = False,
-    blocks_past_window: bool = False,
-) -> torch.Tensor:
-    """(B, 1, T, S) True where a query may attend to a key.
-
-    Indices (B or 1, T) / (B or 1, S) are the positions in the sequence the mask is causal in (with
-    left padding and no cache, the padded columns, as in the reference). A query sees keys at or
-    before it, within ``window`` keys including itself on sliding layers, and never invalid keys.
-    ``blocks`` = (query block ids (B, T), key block ids (B, S)): a query also sees later keys of
-    its own block (id >= 0), still within the window's reach into the past. ``bidirectional``
-    (encoder models): every key on full layers, keys with |q - k| < window on sliding layers.
-    ``blocks_past_window`` (gemma4_unified): a block's keys are seen even beyond the window.
-    """
-    q, k = query_index[:, :, None], key_index[:, None, :]
-    if bidirectional:
-        allowed = torch.ones_like(k <= q) if window is None else (q - k).abs() < window
-    else:
-        allowed = k <= q  # (B, T, S)
-        same_block = None
-        if blocks is not None:
-            query_block, key_block = blocks
-            same_block = (query_block[:, :, None] == key_block[:, None, :]) & (query_block[:, :, None] >= 0)
-            if not blocks_past_window:
-                allowed = allowed | same_block
-        if window is not None:
-            allowed = allowed & (k > q - window)
-        if same_block is not None and blocks_past_window:
-            allowed = allowed | same_block
-    return (allowed & key_valid[:, None, :])[:, None]
-
-
 # ── the stack ─────────────────────────────────────────────────────────────────────────────────
 
 
@@ -824,99 +682,17 @@ class TextModel(nn.Module):
         rope = self.rotary(positions, dtype)
         if vision_blocks is not None:
             vision_blocks = vision_blocks.to(device)
-        sdpa = self.attention == "sdpa"
         layout = {}
         for layer_type in cfg.rope:
             spec = cfg.layers[cfg.layer_types.index(layer_type)]
             # gemma4 applies image blocks on sliding layers only; gemma4_unified on every layer.
             all_layers = cfg.vision_block_layers == "all"
             if step is None:
-                keys = _uncached_keys(
+                keys = uncached_keys(
                     length, valid, spec.window, vision_blocks, cfg.bidirectional, device, all_layers
                 )
             else:
-                keys = _cached_keys(cache, step, spec.window, vision_blocks, device, all_layers)
-            allowed, key_slice, rows, trivial = keys
-            if key_slice is not None:
-                allowed = allowed[..., key_slice]
+                keys = cached_keys(cache, step, spec.window, vision_blocks, device, all_layers)
             cos, sin = rope[layer_type]
-            if sdpa and trivial:
-                # As transformers' sdpa path: no mask when causality alone says it all.
-                inputs = AttentionInputs(cos, sin, None, causal=True, key_slice=key_slice)
-            elif sdpa:
-                inputs = AttentionInputs(cos, sin, allowed, key_slice=key_slice, rows=rows)
-            else:
-                zero = torch.zeros((), dtype=dtype, device=device)
-                additive = torch.where(allowed, zero, torch.finfo(dtype).min)
-                inputs = AttentionInputs(cos, sin, additive, key_slice=key_slice, rows=rows)
-            layout[layer_type] = inputs
+            layout[layer_type] = attention_inputs(keys, cos, sin, self.attention, dtype)
         return layout
-
-
-def _uncached_keys(length, valid, window, vision_blocks, bidirectional, device, blocks_past_window=False):
-    """Keys of a call without cache: its own tokens, causal in columns (padding included)."""
-    index = torch.arange(length, device=device)[None]
-    key_valid = torch.ones_like(index, dtype=torch.bool) if valid is None else valid
-    with_blocks = vision_blocks is not None and (window is not None or blocks_past_window)
-    blocks = (vision_blocks, vision_blocks) if with_blocks else None
-    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional, blocks_past_window)
-    # transformers skips the sdpa mask only without padding, blocks or bidirectionality, and on
-    # sliding layers only while the keys fit in the window.
-    trivial = (
-        vision_blocks is None
-        and not bidirectional
-        and (window is None or length < window)
-        and (valid is None or bool(valid.all()))
-    )
-    return allowed, None, None, trivial
-
-
-def _cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, blocks_past_window=False):
-    """Keys of a cached call: the rows' stored keys (full layers) or the window's past plus this
-    call's own keys (sliding layers), with each row's range when the call knows its lengths."""
-    batch, length = step.positions.shape
-    this_call = torch.ones_like(step.positions, dtype=torch.bool) if step.written is None else step.written
-    if window is None:
-        key_index = torch.arange(step.full_span, device=device)[None]
-        key_valid = key_index < step.ends
-        blocks = None
-        if vision_blocks is not None and blocks_past_window:
-            # Full layers' keys are columns = positions; keys from earlier calls belong to no block.
-            # amax: a padding token (block -1) sharing a column with a real one never overwrites it.
-            key_block = torch.full((batch, step.full_span), -1, dtype=vision_blocks.dtype, device=device)
-            key_block = key_block.scatter_reduce(1, step.positions, vision_blocks, "amax")
-            blocks = (vision_blocks, key_block)
-        ranges = (
-            None if step.starts is None else [(0, max(s + c, 1)) for s, c in zip(step.starts, step.counts)]
-        )
-    else:
-        key_index = torch.cat((step.past, step.positions), dim=1)
-        key_valid = torch.cat((step.past >= 0, this_call), dim=1)
-        blocks = None
-        if vision_blocks is not None:
-            # Keys from earlier calls belong to no block: blocks are this call's tokens.
-            earlier = torch.full_like(step.past, -1)
-            blocks = (vision_blocks, torch.cat((earlier, vision_blocks), dim=1))
-        past = cache.past_len
-        ranges = None if step.starts is None else [(past - min(s, past), past + length) for s in step.starts]
-    allowed = allowed_keys(step.positions, key_index, key_valid, window, blocks, False, blocks_past_window)
-
-    key_slice, rows, trivial = None, None, False
-    if ranges is not None:
-        # Would the row alone skip the sdpa mask? Only if all its keys are real and causality (or
-        # "every key", for one query) says it all, as transformers decides.
-        alone = [
-            step.written is None
-            and vision_blocks is None
-            and (length == 1 or length == end - start)
-            and (window is None or end - start < window)
-            for start, end in ranges
-        ]
-        if len(set(ranges)) == 1:
-            start, end = ranges[0]
-            if (start, end) != (0, key_index.shape[1]):
-                key_slice = slice(start, end)
-            trivial = alone[0]
-        else:
-            rows = [(start, end, a) for (start, end), a in zip(ranges, alone)]
-    return allowed, key_slice, rows, trivial

@@ -19,8 +19,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..model.layers import RMSNorm, apply_rope
-from ..model.text import ATTENTION, AttentionInputs, sdpa_backend
 from .. import kernels
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
@@ -322,70 +320,6 @@ class QuantizedStack(QuantizedWeight):
     def set_quantized(self, qweight, scales, mins) -> None:
         flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (qweight, scales, mins)]
         super().set_quantized(*flat)
-
-
-class FusedRMSNorm(RMSNorm):
-    """RMSNorm as one C++ call (``torchgemma::rms_norm``) on float32 CPU inputs: the reference's
-    result to a float32 rounding rather than its bits, for a dozen fewer small operators per norm
-    (109 norms per token on Gemma 3 270M: ~1.3 ms of a 28 ms decode step). Quantized models use it;
-    anything else (other dtypes, devices, no C++ kernels) takes RMSNorm's own forward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (Attributes read directly: this runs ~110 times per decoded token.)
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels.ensure_kernels():
-            return super().forward(x)
-        weight = self._parameters.get("weight")
-        if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-            weight = weight.detach()  # the op has no backward: it never sees a tensor that asks for one
-        return _RMS_NORM(x, weight, self.eps, self.plus_one)
-
-
-_RMS_NORM = torch.ops.torchgemma.rms_norm.default
-
-
-def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` as one C++ call on float32 CPU tensors, to the bit (four operators fewer per
-    rotation, two rotations per layer); anything else takes ``apply_rope`` itself."""
-    if (
-        x.dtype is torch.float32
-        and cos.dtype is torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 4
-        and cos.shape == (x.shape[0], x.shape[1], x.shape[3])
-        and kernels.ensure_kernels()
-    ):
-        return _ROPE(x, cos, sin)
-    return apply_rope(x, cos, sin)
-
-
-_ROPE = torch.ops.torchgemma.rope.default
-
-
-def sdpa_with_decode_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
-) -> torch.Tensor:
-    """``sdpa_backend``, except one new token attending to every key it is given (a decode step
-    without a mask), which is one C++ call on float32 CPU tensors (``torchgemma::decode_attention``:
-    the exact softmax's result to a float32 rounding; one thread per KV head, where sdpa wakes its
-    thread pool for a few microseconds of work)."""
-    if (
-        query.shape[2] == 1
-        and inputs.mask is None
-        and inputs.rows is None
-        and query.dtype is torch.float32
-        and key.dtype is torch.float32
-        and query.device.type == "cpu"
-        and kernels.ensure_kernels()
-    ):
-        if inputs.key_slice is not None:
-            key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
-        return _DECODE_ATTENTION(query, key, value, scale)
-    return sdpa_backend(query, key, value, inputs, scale)
-
-
-_DECODE_ATTENTION = torch.ops.torchgemma.decode_attention.default
-# What a quantized CPU model's attention layers run for each backend name (fuse_ops).
-FUSED_ATTENTION = {**ATTENTION, "sdpa": sdpa_with_decode_kernel}
 
 
 # ── round-to-nearest quantization ───────────────────────────────────────────────────────────────

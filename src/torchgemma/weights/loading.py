@@ -14,6 +14,7 @@ import ctypes
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -23,23 +24,9 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, ModelConfig
 from ..model import Gemma
-from ..model.text import ATTENTION_BACKENDS
+from ..model.attention import ATTENTION_BACKENDS
 from ..placement import offload_per_layer_table
-from ..quantization import (
-    MODES,
-    Format,
-    QuantizedWeight,
-    check_activations,
-    choose_formats,
-    ensure_kernels,
-    fuse_ops,
-    mode_format,
-    quantizable,
-    quantized_shell,
-    record,
-    replace_module,
-    set_activations,
-)
+from ..quantization import QuantizationPlan, QuantizedWeight
 from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
 from .source import CheckpointError, auto_quantization, resolve_source
 
@@ -119,60 +106,57 @@ def load(
     moves only the rows each call reads (``torchgemma.placement``); ``"device"`` puts it with the rest;
     ``"auto"`` (the default) is ``"host"`` on CUDA, else ``"device"``.
     """
+    # The arguments are checked before any work (a hub id would be downloaded first).
     if per_layer_table not in ("auto", "host", "device"):
         raise ValueError(f"per_layer_table must be 'auto', 'host' or 'device', got {per_layer_table!r}")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
     requested = model_dtype(dtype)
-    if quantize == "auto":
-        quantize = auto_quantization(source)
-    if quantize is not None and quantize not in MODES:
-        raise ValueError(f"unknown quantization {quantize!r}; use one of {', '.join(MODES)}, 'auto' or None")
-    check_activations(activations)
-    model = _load(source, requested, device, attention, progress, quantize, per_layer_table)
-    return set_activations(model, activations)
-
-
-def _load(source, requested, device, attention: str, progress: bool, quantize, per_layer_table: str) -> Gemma:
+    QuantizationPlan.check(quantize, activations)
     path = resolve_source(source)
-    device = torch.device(device or "cpu")
-    host_table = per_layer_table == "host" or (per_layer_table == "auto" and device.type == "cuda")
+    with ExitStack() as stack:  # safetensors files stay mapped until the model is filled
+        checkpoint = _open(path, stack)
+        # Every default and "auto" becomes a concrete choice here; what follows takes them as given.
+        dtype = requested or checkpoint.dtype
+        device = torch.device(device or "cpu")
+        host_table = per_layer_table == "host" or (per_layer_table == "auto" and device.type == "cuda")
+        plan = QuantizationPlan.resolve(
+            auto_quantization(source) if quantize == "auto" else quantize,
+            activations,
+            path=path,
+            saved=checkpoint.config.quantization,
+            gguf=checkpoint.gguf,
+            device=device,
+        )
+        return _build(checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None)
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A checkpoint opened for loading: its config and tensor table, no tensor read yet."""
+
+    config: ModelConfig
+    dtype: torch.dtype  # what the model is built in unless load is told otherwise
+    stored: dict[str, int]  # each tensor's bytes in the file, by key: what the progress bar counts
+    # (key, load, shape, stored dtype name) of every tensor, loads giving the given dtype (GGUF) or
+    # the stored one (safetensors: the model's tensors cast as they are filled).
+    tensors: Callable[[torch.dtype], list[tuple]]
+    gguf: object = None  # a GGUF file's reader: its dequantized tensors are fresh memory, adopted uncopied
+
+
+def _open(path: Path, stack: ExitStack) -> _Checkpoint:
+    """The config and tensor table of the checkpoint at ``path``, from file headers alone
+    (safetensors files are mapped until ``stack`` closes)."""
     if path.suffix == ".gguf":
-        return _load_gguf(path, requested or torch.float32, device, attention, progress, quantize, host_table)
-    if quantize == "gguf":
-        raise ValueError(f'quantize="gguf" keeps a GGUF file\'s blocks, and {path} is not a .gguf file')
+        return _open_gguf(path)
     config = ModelConfig.from_file(path)
-    if config.quantization is not None and quantize is not None:
-        raise ValueError(
-            f"{path} is already quantized ({config.quantization['mode']}): load it without quantize"
-        )
-    with ExitStack() as stack:
-        tensors = list(read_safetensors(safetensors_files(path), stack))
-        check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
-        stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
-        dtype = requested or _checkpoint_dtype(config, tensors)
-        return _build(
-            config,
-            dtype,
-            device,
-            attention,
-            tensors,
-            stored,
-            path.name if progress else None,
-            quantize=quantize,
-            host_table=host_table,
-        )
+    tensors = list(read_safetensors(safetensors_files(path), stack))
+    check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
+    stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
+    return _Checkpoint(config, _checkpoint_dtype(config, tensors), stored, lambda dtype: tensors)
 
 
-def _load_gguf(
-    path: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    attention: str,
-    progress: bool,
-    quantize: str | None,
-    host_table: bool,
-) -> Gemma:
+def _open_gguf(path: Path) -> _Checkpoint:
     from .gguf import read_gguf
 
     checkpoint = read_gguf(path)
@@ -181,103 +165,50 @@ def _load_gguf(
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
     names = checkpoint.tensor_names()
-    tensors = [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
     # The bar counts what is read: the quantized bytes of the GGUF tensor(s) behind each tensor
     # (GGUFCheckpoint has no public accessor for them; _TensorInfo.n_bytes is the stored size).
     stored = {
         name: sum(checkpoint._gguf[s].n_bytes for s in checkpoint._entry(name).sources) for name in names
     }
-    # Dequantized tensors are fresh memory of the model's dtype: the model adopts them, uncopied.
-    return _build(
-        config,
-        dtype,
-        device,
-        attention,
-        tensors,
-        stored,
-        path.name if progress else None,
-        adopt=True,
-        quantize=quantize,
-        gguf=checkpoint if quantize == "gguf" else None,
-        host_table=host_table,
-    )
+
+    def tensors(dtype: torch.dtype) -> list[tuple]:
+        return [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
+
+    # GGUF blocks are dequantized into float32 unless another dtype is asked for.
+    return _Checkpoint(config, torch.float32, stored, tensors, gguf=checkpoint)
 
 
 def _build(
-    config: ModelConfig,
+    checkpoint: _Checkpoint,
+    plan: QuantizationPlan,
     dtype: torch.dtype,
     device: torch.device,
     attention: str,
-    tensors: list[tuple],
-    stored: dict[str, int],
+    host_table: bool,
     label: str | None,
-    adopt: bool = False,
-    quantize: str | None = None,
-    gguf=None,
-    host_table: bool = False,
 ) -> Gemma:
-    """The model of ``config`` filled from ``tensors``, whose file bytes ``stored`` gives by name;
-    ``label`` names the progress bar (None: no bar). ``quantize``: a mode of
-    ``torchgemma.quantization`` applied while filling (``gguf``: the checkpoint, for mode "gguf")."""
+    """The model of ``checkpoint``, built once in ``dtype`` on ``device``, quantized as ``plan``
+    says, its text decoder attending with ``attention``; ``host_table``: the per-layer-embedding
+    table kept in host memory; ``label`` names the progress bar (None: no bar)."""
+    config = checkpoint.config
     with torch.device("meta"):
         model = Gemma(config, attention).to(dtype=dtype)
-    items = dict(quantizable(model))
-    if config.quantization is not None:  # saved quantized: the checkpoint holds qweight/scales/mins
-        for name, spec in config.quantization["layers"].items():
-            if name not in items:
-                raise CheckpointError(f"quantization_config names {name}, which the model has not")
-            with torch.device("meta"):
-                shell = quantized_shell(items[name], Format(**spec), dtype)
-            replace_module(model, name, shell)
+    plan.prepare(model, dtype)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
-    plan = match_tensors(model, config, tensors)
-    quantization = config.quantization
-    if quantize is not None:
-        plan, chosen, kept = _quantize_plan(items, plan, quantize, gguf)
-        for name, fmt in chosen.items():
-            with torch.device("meta"):
-                shell = quantized_shell(items[name], fmt, dtype)
-            replace_module(model, name, shell)
-        quantization = record(quantize, chosen, kept)
+    loads = match_tensors(model, config, checkpoint.tensors(dtype))
+    loads = plan.assign(model, loads, dtype)
     if host_table:
         offload_per_layer_table(model)  # on the meta model: the table is then allocated on the host
     # Allocate once, directly in the target dtype and device; loading fills it in place.
     # (to_empty would do, but empty_like of a meta tensor runs torch's Python reference ops, which
     # import half a second of modules; a plain factory call does not.)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    with _progress(sum(stored[key] for _, key, _ in plan), label) as bar:
-        fill(model, plan, lambda key: bar.update(stored[key]), adopt=adopt)
-    if quantize == "gguf":  # a GGUF tensor's scale dtype is chosen as it is converted: record it
-        quantization = record(quantize, {name: model.get_submodule(name).format for name in chosen}, kept)
-    if quantization is not None:
-        model.quantization = quantization
-        if quantization["layers"] and device.type == "cpu":
-            ensure_kernels()
-            fuse_ops(model)
+    stored = checkpoint.stored
+    with _progress(sum(stored[key] for _, key, _ in loads), label) as bar:
+        fill(model, loads, lambda key: bar.update(stored[key]), adopt=checkpoint.gguf is not None)
+    plan.apply(model)
     release_freed_memory()
     return model.eval()
-
-
-def _quantize_plan(items: dict, plan: list[tuple], mode: str, gguf) -> tuple[list[tuple], dict, dict]:
-    """Which of the quantizable ``items`` ``mode`` quantizes, in which format, and the plan with their loads.
-
-    "int8"/"int4": every quantizable module, its float weight quantized when it is read. "gguf": the
-    modules whose tensor the file stores as grouped integers, read as such (others stay float).
-    """
-    keys = {name.removesuffix(".weight"): key for name, key, _ in plan}
-    modules = [(name, item) for name, item in items.items() if name in keys]
-    if mode == "gguf":
-        spec = {name: gguf.int_format(keys[name]) for name, _ in modules}
-        chosen, kept = choose_formats(modules, lambda name, features: spec[name] and Format(*spec[name]))
-    else:
-        chosen, kept = choose_formats(modules, lambda name, features: mode_format(mode, None, features))
-    new_plan = []
-    for name, key, load in plan:
-        module_name = name.removesuffix(".weight")
-        if mode == "gguf" and module_name in chosen:
-            load = partial(gguf.grouped_ints, key)
-        new_plan.append((name, key, load))
-    return new_plan, chosen, kept
 
 
 def _progress(total: int, name: str | None) -> tqdm:

@@ -1,4 +1,4 @@
-"""Speed as a transform of a built model: a compiled, static-shape decode step.
+"""A compiled, static-shape decode step.
 
     model = torchgemma.compile(torchgemma.load(...))   # then Engine / generate / LLM use it
 
@@ -19,8 +19,8 @@ import weakref
 
 import torch
 
-from .cache import KVCache
-from .model import Gemma
+from ..cache import KVCache
+from ..model import Gemma
 
 
 def decode_step(

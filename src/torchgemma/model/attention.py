@@ -1,0 +1,114 @@
+"""Attention backends: how a layer's queries attend to its keys, by name (``ATTENTION``).
+
+A backend takes query (B, H, T, D), key and value (B, Hkv, S, D), the layer type's
+``AttentionInputs`` (RoPE tables, mask, key ranges: ``masks.py`` builds them) and the scale, and
+returns (B, T, H, D). ``"eager"`` is transformers' eager arithmetic, bit for bit; ``"sdpa"`` is
+``scaled_dot_product_attention``, as transformers' sdpa path. When the rows of a batch read
+different key ranges (``AttentionInputs.rows``), both attend row by row, as each row would alone.
+The text decoder's ``Attention`` module looks its backend up here (``Attention.backends``); a
+transform may give it another table (``acceleration.fuse_cpu_ops``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .layers import eager_attention
+
+
+@dataclass
+class AttentionInputs:
+    """What the layers of one attention type attend with, besides their keys and values.
+
+    ``mask`` (B, 1, T, S): additive (eager) or True-to-attend (sdpa); None means ``causal`` over
+    T == S keys, or every key. ``key_slice``: the keys all rows read, when it is the same slice for
+    every row. ``rows``: each row's own keys ``(start, end, causal_alone)`` when they differ; both
+    backends then attend row by row to exactly those, as the row would alone, so a sequence gets
+    the same bits whatever its neighbours in the batch (``causal_alone``: sdpa would skip the mask).
+    """
+
+    cos: torch.Tensor  # (B, T, D)
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool = False
+    key_slice: slice | None = None
+    rows: list[tuple[int, int, bool]] | None = None
+
+    def last(self, n: int) -> AttentionInputs:
+        """The same for the last ``n`` queries only."""
+        return replace(
+            self,
+            cos=self.cos[:, -n:],
+            sin=self.sin[:, -n:],
+            mask=None if self.mask is None else self.mask[:, :, -n:],
+            # One query of a causal block sees every key (callers keep n == 1 without a mask).
+            causal=False,
+        )
+
+
+def eager_backend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
+) -> torch.Tensor:
+    """Transformers' eager attention: repeated KV heads, float32 softmax. Returns (B, T, H, D)."""
+    if inputs.key_slice is not None:
+        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+    if inputs.rows is None:
+        return eager_attention(query, key, value, inputs.mask, scale)
+    mask = inputs.mask
+    return torch.cat(
+        [
+            eager_attention(
+                query[b : b + 1],
+                key[b : b + 1, :, s:e],
+                value[b : b + 1, :, s:e],
+                mask[b : b + 1, ..., s:e],
+                scale,
+            )
+            for b, (s, e, _) in enumerate(inputs.rows)
+        ]
+    )
+
+
+def sdpa_backend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
+) -> torch.Tensor:
+    """``scaled_dot_product_attention``: KV heads shared in place (``enable_gqa``), memory bounded by
+    the kernel's blocking rather than T x S scores. Returns (B, T, H, D)."""
+    if inputs.key_slice is not None:
+        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+    if inputs.rows is not None:
+        return torch.cat(
+            [
+                _sdpa(
+                    query[b : b + 1],
+                    key[b : b + 1, :, s:e],
+                    value[b : b + 1, :, s:e],
+                    None if alone else inputs.mask[b : b + 1, ..., s:e],
+                    alone,
+                    scale,
+                )
+                for b, (s, e, alone) in enumerate(inputs.rows)
+            ]
+        )
+    return _sdpa(query, key, value, inputs.mask, inputs.causal, scale)
+
+
+def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=mask is None and causal and query.shape[2] > 1,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2)
+
+
+# What each backend name runs.
+ATTENTION = {"eager": eager_backend, "sdpa": sdpa_backend}
+ATTENTION_BACKENDS = tuple(ATTENTION)
