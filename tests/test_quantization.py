@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import torchgemma
 from checkpoints import STYLES
@@ -164,25 +163,6 @@ def test_operators_check_their_inputs():
 
 
 @pytest.mark.parametrize(
-    ("bits", "mins", "scale_dtype"),
-    [(4, True, torch.float32), (5, True, torch.float16), (8, False, torch.float16)],
-)
-@pytest.mark.parametrize("op", ["qlinear", "qlinear_dense", "qlinear_int", "dequantize"])
-def test_operators_pass_torch_library_opcheck(op, bits, mins, scale_dtype):
-    """The fake (meta) kernels agree with the real ones, so torch.compile traces the layers."""
-    ensure_kernels()
-    q = kernels.pack(random_ints(8, 64, bits), bits)
-    scales = torch.rand(8, 2).to(scale_dtype)
-    offsets = torch.randn(8, 2).to(scale_dtype) if mins else None
-    args = (
-        (q, scales, offsets, bits, 32)
-        if op == "dequantize"
-        else (torch.randn(3, 64), q, scales, offsets, bits, 32)
-    ) + ((16,) if op == "qlinear_int" else ())
-    torch.library.opcheck(getattr(torch.ops.torchgemma, op).default, args)
-
-
-@pytest.mark.parametrize(
     ("bits", "group", "mins", "scale_dtype"),
     [
         (8, 64, False, "float32"),
@@ -213,6 +193,7 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
         """
         import warnings, torch
         from torchgemma import kernels
+        kernels.library.PACKAGE_DIR = kernels.library.Path("/nonexistent")  # no library from the install
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert kernels.ensure_kernels() is False
@@ -238,58 +219,6 @@ def test_missing_compiler_falls_back_with_a_clear_message(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "no C++ compiler found" in done.stdout and "pure-PyTorch" in done.stdout
     assert "fallback ok" in done.stdout
-
-
-_PRODUCTS = textwrap.dedent(
-    """
-    import sys, torch
-    from safetensors.torch import save_file
-    from torchgemma import kernels
-    assert kernels.ensure_kernels(), kernels.kernel_status()
-    gen = torch.Generator().manual_seed(5)
-    out = {}
-    for bits, group, mins in [(8, 32, False), (8, 16, False), (8, 64, True), (4, 32, True), (5, 32, True)]:
-        for scale_dtype in (torch.float32, torch.float16):
-            width = kernels.packed_width(320, bits)
-            if bits == 8:
-                q = torch.randint(-128, 128, (37, width), generator=gen, dtype=torch.int8)
-            else:
-                q = torch.randint(0, 256, (37, width), generator=gen, dtype=torch.uint8)
-            scales = (torch.rand(37, 320 // group, generator=gen) * 0.02).to(scale_dtype)
-            offsets = (torch.randn(37, 320 // group, generator=gen) * 0.05).to(scale_dtype) if mins else None
-            for rows in (1, 2, 3, 4, 5):
-                x = torch.randn(rows, 320, generator=gen)
-                out[f"{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear(x, q, scales, offsets, bits, group)
-            for rows in (1, 6, 17):  # integer activations: VNNI where the CPU has it, else the portable loop
-                x = torch.randn(rows, 320, generator=gen)
-                for x_bits in (8, 16):
-                    out[f"int{x_bits}/{bits}/{group}/{scale_dtype}/{rows}"] = torch.ops.torchgemma.qlinear_int(x, q, scales, offsets, bits, group, x_bits)
-    save_file(out, sys.argv[1])
-    print(kernels.kernel_status())
-    """
-)
-
-
-def test_avx512_build_gives_the_avx2_builds_bits(tmp_path):
-    """A CPU with AVX-512 builds the kernels with it (16 values per instruction); its products are
-    the AVX2 build's to the bit (the 512-bit lanes hold the AVX2 code's two chains), integer-activation
-    products (VNNI where the CPU has it) included. Builds the AVX2 kernels beside this machine's on
-    first run (~15 s, then cached)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("this CPU has no AVX-512: its AVX2 build is the only one")
-    runs = {}
-    for capability in ("avx512", "avx2"):
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-        path = tmp_path / f"{capability}.safetensors"
-        done = subprocess.run(
-            [sys.executable, "-c", _PRODUCTS, str(path)], env=env, capture_output=True, text=True, timeout=600
-        )
-        assert done.returncode == 0, done.stderr
-        assert ("-mavx512f" in done.stdout) == (capability == "avx512"), done.stdout
-        runs[capability] = load_file(path)
-    assert runs["avx512"].keys() == runs["avx2"].keys()
-    for case, values in runs["avx512"].items():
-        assert torch.equal(values, runs["avx2"][case]), case
 
 
 # ── integer activations (qlinear_int) ───────────────────────────────────────────────────────────

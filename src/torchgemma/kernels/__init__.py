@@ -1,16 +1,48 @@
-"""C++ CPU operators (torchgemma::*), their fakes and pure-PyTorch references."""
+"""The ``torchgemma::*`` operators: one table of schemas, fakes and pure-PyTorch references
+(``ops.py``), and the C++ CPU kernels behind them (``csrc/``), built into one library with a
+portable, an AVX2 and an AVX-512 variant of every kernel (``build.py``: at ``pip install``, else once
+at first use) and dispatched at run time on the CPU's features (``library.py``; ``$TORCHGEMMA_ISA``
+overrides the choice).
+"""
 
-from .ops import *  # noqa: F403
-from .ops import (  # noqa: F401
+from .library import (
+    ISAS,
+    available_isas,
+    ensure_kernels,
+    isa,
+    kernel_status,
+    set_isa,
+    using_isa,
+    vnni_available,
+)
+from .ops import (
+    OPERATORS,
+    Operator,
     _dequantize_reference,
     _qlinear_int_reference,
-    ensure_kernels,
     features_of,
     int_span,
-    kernel_status,
     pack,
     packed_width,
     round_to_ints,
     unpack,
-    vnni_available,
 )
+
+__all__ = [
+    "ISAS",
+    "OPERATORS",
+    "Operator",
+    "available_isas",
+    "ensure_kernels",
+    "features_of",
+    "int_span",
+    "isa",
+    "kernel_status",
+    "pack",
+    "packed_width",
+    "round_to_ints",
+    "set_isa",
+    "unpack",
+    "using_isa",
+    "vnni_available",
+]

@@ -1,68 +1,29 @@
-"""The quantized matrix product as torch operators, and the C++ kernels behind them on the CPU.
+"""Every ``torchgemma::*`` operator in one table: its schema, its fake (meta) kernel and its
+pure-PyTorch reference.
 
-Two operators, defined here with ``torch.library`` so that ``torch.compile`` sees one opaque node
-per quantized layer (their shapes come from the fake kernels below):
+The operators are defined with ``torch.library``, so that ``torch.compile`` sees one opaque node per
+call (its shapes from the fake). The reference is each operator's kernel on every device; on the CPU
+the C++ kernels (``csrc/``, loaded by ``library.py``) take precedence once loaded. A reference
+computes what its C++ kernel computes, step for step where torch's operators allow; where the C++
+sums in another order (or in float32 where the reference uses float64), the two differ by float
+rounding, and the tests say where and how much.
 
-    torch.ops.torchgemma.qlinear(x, qweight, scales, mins, bits, group_size)   # x @ W.T, float32
-    torch.ops.torchgemma.dequantize(qweight, scales, mins, bits, group_size)   # W, float32 (N, K)
-
-with ``W[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G]`` (layout: ``csrc/qlinear.cpp``);
-scales and mins are float32 or float16 (both the same), the values they hold always taken as float32.
-
-Every device gets a pure-PyTorch kernel (dequantize, then ``F.linear``): correct everywhere, but it
-reads float32 weights, so it is no faster than the unquantized model. On the CPU the C++ kernels
-(``csrc/qlinear.cpp``: AVX2/FMA where the CPU has them, with AVX-512 where it has that too, the
-same bits; portable loops otherwise) read only the
-quantized bytes. They are built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
-ninja; about a minute, cached under ``~/.cache/torch_extensions``). Without a compiler the
-pure-PyTorch kernel is used and ``kernel_status()`` says why.
+A quantized weight W (N rows of K values) is stored as integers q with one scale per group of G
+consecutive values of a row, and optionally one offset ("min") per group:
+``W[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G]`` (the byte layout: ``pack``, and
+``csrc/common.h``); scales and mins are float32 or float16 (both the same), their values always
+taken as float32.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-import sys
-import threading
-import warnings
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-_SOURCE = Path(__file__).parent / "csrc" / "qlinear.cpp"
-
-_LIBRARY = torch.library.Library("torchgemma", "DEF")
-_LIBRARY.define(
-    "qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
-)
-_LIBRARY.define("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor")
-# x @ W.T for many rows (prefill): the float32 BLAS on W dequantized a slab of rows at a time.
-_LIBRARY.define(
-    "qlinear_dense(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor"
-)
-# x @ W.T with x rounded to x_bits-bit integers (8 or 16) per 32 values, for calls of many rows
-# (QuantizedWeight.activation_bits; csrc/qlinear.cpp defines the arithmetic).
-_LIBRARY.define(
-    "qlinear_int(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, int x_bits) "
-    "-> Tensor"
-)
-# The greedy head's two helpers (CPU kernels only; see QuantizedWeight.argmax): scores of every row
-# with int8-rounded activations and a bound on their distance from qlinear's, and the rows' norms.
-_LIBRARY.define(
-    "qlinear_bounds(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size, "
-    "Tensor row_norms) -> (Tensor, Tensor)"
-)
-_LIBRARY.define("row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor")
-_LIBRARY.define("bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Tensor)")
-# RMSNorm in one call (float32, CPU): what a quantized model's norms run (FusedRMSNorm).
-_LIBRARY.define("rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor")
-# RoPE in one call (float32, CPU), the bits of layers.apply_rope: a quantized model's (fused_rope).
-_LIBRARY.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
-# One new token's attention over all its keys, no mask (float32, CPU): a quantized model's decode.
-_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+# ── the storage layout ─────────────────────────────────────────────────────────────────────────
 
 
 def packed_width(features: int, bits: int) -> int:
@@ -105,6 +66,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     high = ((blocks >> 4) & 1).view(n, k // 32, 4, 8)
     high = (high * weights).sum(-1, dtype=torch.uint8)  # distinct bits: the sum is their OR
     return torch.cat((nibbles, high), dim=-1).reshape(n, k // 32 * 20).contiguous()
+
+# ── references: each operator's arithmetic in torch ─────────────────────────────────────────────
 
 
 def _dequantize_reference(qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
@@ -183,7 +146,135 @@ def _check(qweight, scales, mins, bits: int, group_size: int) -> int:
     return k
 
 
-@torch.library.register_fake("torchgemma::qlinear")
+def _row_norms_reference(qweight, scales, bits: int, group_size: int) -> torch.Tensor:
+    """||(s q)[n]|| per row, float32 rounded up (by 2^-20): per group the integers' squares (exact),
+    times s * s in float64, summed over the groups in the C++'s order (``cumsum``: one sequential
+    sum), the square root then rounded to float32."""
+    k = _check(qweight, scales, None, bits, group_size)
+    q = unpack(qweight, bits).to(torch.int64)
+    n = q.shape[0]
+    squares = (q * q).view(n, k // group_size, group_size).sum(-1)  # (N, groups), exact
+    s = scales.to(torch.float32).to(torch.float64)
+    total = (s * s * squares.to(torch.float64)).cumsum(-1)[:, -1]
+    return (total.sqrt() * (1.0 + 1.0 / 1048576)).to(torch.float32)
+
+
+def _group_sums(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(M, K) float32 -> (M, K / G): each group's sum accumulated in float64 and rounded once."""
+    return rows.to(torch.float64).unflatten(-1, (-1, group_size)).sum(-1).to(torch.float32)
+
+
+_UNIT = 2.0**-24  # float32's unit roundoff
+
+
+def _qlinear_bounds_reference(
+    x, qweight, scales, mins, bits: int, group_size: int, row_norms
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(approx, bound) with |qlinear(x) - approx| <= bound (csrc/greedy_head.cpp derives it): approx
+    scores every row with x rounded to int8 per 32 values, its sum_b (s d)_b * dot(q_b, xq_b) taken in
+    float64 here where the C++ sums in float32 (so the two differ by float32 rounding, which the bound's
+    slack covers); the bound's terms are the C++'s, in the same float32 operations."""
+    k = _check(qweight, scales, mins, bits, group_size)
+    if bits not in (8, 4):
+        raise ValueError(f"qlinear_bounds: bits must be 8 or 4, got {bits}")
+    if k % 32 or group_size % 32:
+        raise ValueError("qlinear_bounds: needs groups of a multiple of 32 values")
+    n = qweight.shape[0]
+    if row_norms.dtype != torch.float32 or row_norms.shape != (n,):
+        raise ValueError(f"qlinear_bounds: row_norms must be float32 ({n})")
+    rows = x.reshape(-1, k).to(torch.float32)
+    xq, d = round_to_ints(rows, 8)  # (M, K) int8, (M, K / 32)
+    blocks = k // 32
+    dots = torch.einsum(
+        "mbf,nbf->mnb",
+        xq.to(torch.float64).view(-1, blocks, 32),
+        unpack(qweight, bits).to(torch.float64).view(n, blocks, 32),
+    )  # exact integers
+    block_scales = scales.to(torch.float32)[:, torch.arange(blocks) * 32 // group_size]  # (N, B)
+    sd = block_scales[None] * d[:, None, :]  # float32 products, as the C++ forms s * d
+    approx = (sd.to(torch.float64) * dots).sum(-1)
+    if mins is not None:
+        approx = approx + _group_sums(rows, group_size).to(torch.float64) @ mins.to(torch.float64).T
+    approx = approx.to(torch.float32)
+    back = xq.to(torch.float64) * d.to(torch.float64).repeat_interleave(32, -1)
+    err = (rows.to(torch.float64) - back).norm(dim=-1)
+    norm, norm_approx = rows.to(torch.float64).norm(dim=-1), back.norm(dim=-1)
+    gamma = (k + 64) * _UNIT / (1 - (k + 64) * _UNIT)
+    beta = ((err + 2 * gamma * (norm + norm_approx)) * (1.0 + 1.0 / 1048576)).to(torch.float32)
+    b = row_norms[None, :] * beta[:, None]
+    bound = b + (approx.abs() + b) * (1.0 / 2097152)
+    finite = torch.isfinite(rows).all(-1, keepdim=True)  # else every row in doubt
+    approx = torch.where(finite, approx, 0.0)
+    bound = torch.where(finite, bound, torch.inf)
+    shape = (*x.shape[:-1], n)
+    return approx.view(shape), bound.view(shape)
+
+
+def _bounded_candidates_reference(approx, bound) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that may hold each row's maximum, n with approx + bound >= max(approx - bound) in
+    float32: their indices, row after row, ascending, and how many each row has. Exactly the C++'s."""
+    if approx.dtype != torch.float32 or approx.dim() != 2 or bound.shape != approx.shape:
+        raise ValueError("bounded_candidates: approx and bound must be float32 (M, N) tensors of one shape")
+    best = (approx - bound).amax(-1, keepdim=True)
+    keep = approx + bound >= best
+    columns = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+    return columns[keep], keep.sum(-1)  # (indices row after row, a tensor of its own)
+
+
+def _rms_norm_reference(x, weight, eps: float, plus_one: bool) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 * scale over the last dimension (scale: 1 + w, w or 1), float32: the
+    C++'s operations in its order (the squares summed in float64 as eight interleaved sums, value k
+    into sum k % 8, added pairwise; the mean rounded to float32 once), so its bits."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"rms_norm: float32 input expected, got {x.dtype}")
+    k = x.shape[-1]
+    if weight is not None and weight.numel() != k:
+        raise ValueError(f"rms_norm: weight of {weight.numel()} values for {k} features")
+    squares = x.to(torch.float64).square()
+    squares = F.pad(squares, (0, -k % 8)).unflatten(-1, (-1, 8))  # zeros add nothing to these sums
+    part = squares.cumsum(-2)[..., -1, :]  # (..., 8): sum j is values j, j + 8, ... in order
+    total = ((part[..., 0] + part[..., 1]) + (part[..., 2] + part[..., 3])) + (
+        (part[..., 4] + part[..., 5]) + (part[..., 6] + part[..., 7])
+    )
+    mean = (total / k).to(torch.float32)
+    r = (1.0 / (mean.to(torch.float64) + eps).sqrt()).to(torch.float32)[..., None]
+    out = x * r
+    if weight is not None:
+        w = weight.to(torch.float32)
+        out = out * (1.0 + w if plus_one else w)
+    return out.contiguous()
+
+
+def _rope_reference(x, cos, sin) -> torch.Tensor:
+    """x (B, T, H, D) rotated by tables (B, T, D), half-split pairs: x * cos + r * sin with
+    r = (-x[D/2:], x[:D/2]), unfused float32: layers.apply_rope's operators, the C++'s bits."""
+    if x.dim() != 4 or cos.dim() != 3 or cos.shape != (x.shape[0], x.shape[1], x.shape[3]):
+        raise ValueError(f"rope: x (B, T, H, D) and tables (B, T, D) expected, got {x.shape} and {cos.shape}")
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x * cos[:, :, None] + rotated * sin[:, :, None]).contiguous()
+
+
+def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
+    """softmax(scale * q k^T) v for one query per head over every key, q (B, H, 1, D) and k, v
+    (B, Hkv, S, D) -> (B, 1, H, D), float32: the C++'s steps (scores times scale, exp of each minus
+    the largest, the weighted values summed, then divided by the weights' sum), in torch's float32
+    operations; the C++ sums in its own order and takes exp from a polynomial good to ~1 ulp, so the
+    two differ by float32 rounding."""
+    b, h, _, d = q.shape
+    kv_heads = k.shape[1]
+    if h % kv_heads or k.shape != v.shape or q.shape[2] != 1:
+        raise ValueError(f"decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got {q.shape}, {k.shape}")
+    query = q.reshape(b, kv_heads, h // kv_heads, d)  # each KV head's group of query heads
+    scores = query @ k.transpose(-1, -2) * scale  # (B, Hkv, G, S)
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    out = (weights @ v) / weights.sum(-1, keepdim=True)  # (B, Hkv, G, D)
+    return out.reshape(b, 1, h, d)
+
+
+# ── fakes: the output shapes and dtypes, for torch.compile ──────────────────────────────────────
+
+
 def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
     k = _check(qweight, scales, mins, bits, group_size)
     if x.shape[-1] != k:
@@ -191,161 +282,107 @@ def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
-@torch.library.register_fake("torchgemma::qlinear_dense")
-def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
-    return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
-
-
-@torch.library.register_fake("torchgemma::qlinear_int")
 def _qlinear_int_fake(x, qweight, scales, mins, bits, group_size, x_bits):
     return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
 
 
-@torch.library.register_fake("torchgemma::rms_norm")
-def _rms_norm_fake(x, weight, eps, plus_one):
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("torchgemma::rope")
-def _rope_fake(x, cos, sin):
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("torchgemma::decode_attention")
-def _decode_attention_fake(q, k, v, scale):
-    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
-
-
-@torch.library.register_fake("torchgemma::dequantize")
 def _dequantize_fake(qweight, scales, mins, bits, group_size):
     k = _check(qweight, scales, mins, bits, group_size)
     return scales.new_empty((qweight.shape[0], k), dtype=torch.float32)
 
 
-# Every backend's default; the C++ library, once loaded, registers CPU kernels that take precedence.
-_LIBRARY.impl("qlinear", _qlinear_reference, "CompositeExplicitAutograd")
-_LIBRARY.impl("dequantize", _dequantize_reference, "CompositeExplicitAutograd")
-_LIBRARY.impl("qlinear_dense", _qlinear_reference, "CompositeExplicitAutograd")
-_LIBRARY.impl("qlinear_int", _qlinear_int_reference, "CompositeExplicitAutograd")
+def _qlinear_bounds_fake(x, qweight, scales, mins, bits, group_size, row_norms):
+    out = _qlinear_fake(x, qweight, scales, mins, bits, group_size)
+    return out, torch.empty_like(out)
 
 
-# ── building the C++ kernels ───────────────────────────────────────────────────────────────────
-
-_lock = threading.Lock()
-_status: str | None = None  # None: not tried yet
-_built = False
+def _row_norms_fake(qweight, scales, bits, group_size):
+    _check(qweight, scales, None, bits, group_size)
+    return scales.new_empty((qweight.shape[0],), dtype=torch.float32)
 
 
-def _cpu_flags() -> list[str]:
-    """Compiler flags for the instruction sets this CPU has (the build is cached per flag set)."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    avx2 = ["-mavx2", "-mfma", "-mf16c"]
-    if capability == "AVX512":  # ATen's test: AVX-512 F, BW, VL and DQ
-        return avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    return avx2 if capability == "AVX2" else []
+def _bounded_candidates_fake(approx, bound):
+    picked = torch.library.get_ctx().new_dynamic_size()  # how many rows are kept depends on the values
+    return approx.new_empty((picked,), dtype=torch.int64), approx.new_empty((approx.shape[0],), dtype=torch.int64)
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+def _rms_norm_fake(x, weight, eps, plus_one):
+    return x.new_empty(x.shape)  # contiguous, whatever x's strides (as the C++ returns it)
 
 
-def ensure_kernels() -> bool:
-    """Build (once per machine and flag set) and load the C++ CPU kernels; False if they cannot be.
-
-    The reason for a False is in ``kernel_status()``, and is warned about once.
-    """
-    global _status, _built
-    if _status is not None:
-        return _built
-    with _lock:
-        if _status is not None:
-            return _built
-        flags = " ".join(_cpu_flags()) or "portable loops"
-        library = _library_path()
-        if library.exists() and not (library.parent / "lock").exists():
-            # Built before for this source, flag set, torch and Python: loaded without importing
-            # torch.utils.cpp_extension (and setuptools: ~40 MB and half a second).
-            torch.ops.load_library(str(library))
-            _built = True
-            _status = f"C++ CPU kernels loaded ({flags})"
-        elif _compiler() is None:
-            _status = (
-                "no C++ compiler found (looked for $CXX, c++, g++, clang++): quantized layers run on the "
-                "pure-PyTorch kernel, which dequantizes every weight on every call; install one (e.g. "
-                "`apt-get install g++`, or Xcode's command line tools) for the fast CPU kernels"
-            )
-        elif shutil.which("ninja") is None:
-            _status = (
-                "ninja is not installed (`pip install ninja`): the C++ kernels cannot be built; quantized "
-                "layers run on the pure-PyTorch kernel"
-            )
-        else:
-            try:
-                _build(library)
-                _built = True
-                _status = f"C++ CPU kernels loaded ({flags})"
-            except Exception as err:  # a failed build leaves the reference kernel working
-                first = str(err).strip().splitlines()
-                _status = (
-                    "building the C++ kernels failed, quantized layers run on the pure-PyTorch kernel: "
-                    + (first[-1] if first else type(err).__name__)
-                )
-        if not _built:
-            warnings.warn(f"torchgemma: {_status}", RuntimeWarning, stacklevel=3)
-        return _built
+def _rope_fake(x, cos, sin):
+    return x.new_empty(x.shape)  # contiguous, as the C++ returns it
 
 
-def _library_path() -> Path:
-    """Where the built library lives: ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions``)
-    / a name that carries a digest of the source, the compiler flags, torch's and Python's versions.
-    A cache shared by machines of different CPUs keeps one build per flag set, and an edited source
-    or another torch never loads a stale build."""
-    flags = _cpu_flags()
-    digest = hashlib.sha256(
-        b"\0".join(
-            [_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()]
-        )
-    ).hexdigest()[:12]
-    isa = "avx512" if "-mavx512f" in flags else "avx2" if flags else "portable"
-    name = f"torchgemma_qlinear_{isa}_{digest}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_extensions"
-    )
-    return Path(root) / name / f"{name}.so"
+def _decode_attention_fake(q, k, v, scale):
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
-def _build(library: Path) -> None:
-    from torch.utils.cpp_extension import load
-
-    library.parent.mkdir(parents=True, exist_ok=True)
-    load(
-        name=library.stem,
-        sources=[str(_SOURCE)],
-        # -ffp-contract=off: dequantize computes scale * q, then + min, as GGML does, never fused.
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(library.parent),
-        is_python_module=False,
-        verbose=False,
-    )
+# ── the table ──────────────────────────────────────────────────────────────────────────────────
 
 
-def vnni_available() -> bool:
-    """Whether the C++ kernels run integer products with AVX-512 VNNI here (qlinear_int's fast path):
-    built for AVX-512, on a CPU that reports avx512_vnni (Linux's /proc/cpuinfo; elsewhere False)."""
-    return "-mavx512f" in _cpu_flags() and _cpu_reports_vnni() and ensure_kernels()
+@dataclass(frozen=True)
+class Operator:
+    """One operator: ``torch.ops.torchgemma.<name>``."""
+
+    schema: str  # "name(arguments) -> returns"
+    fake: Callable
+    reference: Callable
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
 
 
-@functools.cache
-def _cpu_reports_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " avx512_vnni" in line for line in cpuinfo)
-    except OSError:
-        return False
+_PRODUCT = "Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size"
+OPERATORS: tuple[Operator, ...] = (
+    # x @ W.T, float32 (a few rows: the C++ reads the integers, never the float weight).
+    Operator(f"qlinear({_PRODUCT}) -> Tensor", _qlinear_fake, _qlinear_reference),
+    # W, float32 (N, K).
+    Operator(
+        "dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group_size) -> Tensor",
+        _dequantize_fake,
+        _dequantize_reference,
+    ),
+    # x @ W.T for many rows (prefill): the float32 BLAS on W dequantized a slab of rows at a time.
+    Operator(f"qlinear_dense({_PRODUCT}) -> Tensor", _qlinear_fake, _qlinear_reference),
+    # x @ W.T with x rounded to x_bits-bit integers (8 or 16) per 32 values, for calls of many rows
+    # (QuantizedWeight.activation_bits; csrc/int_products.cpp defines the arithmetic).
+    Operator(f"qlinear_int({_PRODUCT}, int x_bits) -> Tensor", _qlinear_int_fake, _qlinear_int_reference),
+    # The greedy head's helpers (QuantizedWeight.argmax): scores of every row with int8-rounded
+    # activations and a bound on their distance from qlinear's, the rows' norms, and the rows left.
+    Operator(
+        f"qlinear_bounds({_PRODUCT}, Tensor row_norms) -> (Tensor, Tensor)",
+        _qlinear_bounds_fake,
+        _qlinear_bounds_reference,
+    ),
+    Operator(
+        "row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor",
+        _row_norms_fake,
+        _row_norms_reference,
+    ),
+    Operator(
+        "bounded_candidates(Tensor approx, Tensor bound) -> (Tensor, Tensor)",
+        _bounded_candidates_fake,
+        _bounded_candidates_reference,
+    ),
+    # RMSNorm in one call (float32): what a quantized model's norms run (FusedRMSNorm).
+    Operator(
+        "rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor", _rms_norm_fake, _rms_norm_reference
+    ),
+    # RoPE in one call (float32), the bits of layers.apply_rope (fused_rope).
+    Operator("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope_fake, _rope_reference),
+    # One new token's attention over all its keys, no mask (float32): a decode step's.
+    Operator(
+        "decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
+        _decode_attention_fake,
+        _decode_attention_reference,
+    ),
+)
 
-
-def kernel_status() -> str:
-    """What runs quantized products on the CPU: the C++ kernels, or why the fallback is used."""
-    ensure_kernels()
-    return _status or ""
+_LIBRARY = torch.library.Library("torchgemma", "DEF")
+for _op in OPERATORS:
+    _LIBRARY.define(_op.schema)
+    torch.library.register_fake(f"torchgemma::{_op.name}", _op.fake, lib=_LIBRARY)
+    # Every backend's default; the C++ library, once loaded, registers CPU kernels that take precedence.
+    _LIBRARY.impl(_op.name, _op.reference, "CompositeExplicitAutograd")

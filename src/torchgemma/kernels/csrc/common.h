@@ -1,0 +1,273 @@
+// Weight-only quantized matrix products on the CPU: float32 activations times grouped integer weights.
+//
+// A quantized weight W (N rows of K values) is stored as integers q with one scale per group of G
+// consecutive values of a row, and optionally one offset ("min") per group:
+//
+//     W[n, k] = scales[n, k / G] * q[n, k] + mins[n, k / G]
+//
+// Scales and mins are float32 or float16 (the same for both; float16 where the values are exactly
+// those of a float16 field, e.g. GGML's block scales: half the bytes); either way a product takes
+// them as float32.
+//
+// bits 8: q is int8, (N, K).  bits 4: q is unsigned 0..15, two per byte, (N, K / 2); within each 32
+// values of a row, byte j holds value j in its low nibble and value j + 16 in its high nibble (the
+// layout of GGML's Q4 blocks, so that one 16-byte load and two masks give 32 values in order).
+// bits 5: q is unsigned 0..31, 20 bytes per 32 values, (N, K / 32 * 20): the 4-bit layout's 16 bytes
+// of low nibbles, then 4 bytes whose bit j (little-endian) is bit 4 of value j (GGML's Q5 "qh").
+//
+// The product never materialises W: per group it forms dot(x, q) in float32 and adds
+// scale * dot + min * sum(x), so a decode step reads each weight byte once. This is what makes
+// weight-only quantization fast on a CPU: batch-1 decode is bound by the bytes read per token.
+//
+// This header: what every family of kernels shares (the layout's checks and unpacking, scale loads,
+// the activations' integer rounding). Each kernel source (qlinear.cpp, int_products.cpp,
+// greedy_head.cpp, norms_rope.cpp, decode_attention.cpp) is compiled once per instruction set
+// (torchgemma/kernels/build.py: portable, AVX2, AVX-512) with -DTG_ISA=<that set's name>, so all of
+// it, this header's inline helpers included, lives in namespace torchgemma::<isa>: the three builds
+// of a helper never stand in for one another at link time. registration.cpp picks one set at run
+// time. Schemas, fakes and pure-PyTorch references: torchgemma/kernels/ops.py.
+
+#pragma once
+
+#ifndef TG_ISA
+#error "compile with -DTG_ISA=portable|avx2|avx512 (torchgemma/kernels/build.py)"
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TG_AVX2 1
+// Built for a CPU with AVX-512: the products take 16 values per instruction where the sums allow it,
+// in exactly the AVX2 code's order (lanes 0-7 and 8-15 of a 512-bit accumulator are its two 256-bit
+// chains), so both builds give the same bits.
+#if defined(__AVX512F__)
+#define TG_AVX512 1
+#endif
+#endif
+
+#include "ops.h"
+
+namespace torchgemma::TG_ISA {
+
+
+// A scale or min as float32 (exact from float16).
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) {
+#ifdef TG_AVX2
+  return _cvtsh_ss(v.x);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+// Bytes per 32 values of a row.
+constexpr int64_t block_bytes(int bits) { return bits == 8 ? 32 : bits == 4 ? 16 : 20; }
+
+#ifdef TG_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 scales or mins at p, as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 int8 values at p, as float32.
+inline __m256 load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 bytes (0..15 each) at lane offset `at` of a 16-byte vector, as float32.
+inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+// 32 bits at p -> 32 bytes: byte j is 0x10 where bit j is set (bit 4 of 5-bit value j), else 0.
+// Each byte of the broadcast word goes to 8 lanes (shuffle), then each lane tests its own bit.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(word)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i probe = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, probe), probe);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// 32 values of a 4- or 5-bit block at p, as 16 + 16 bytes in order (values 0-15, values 16-31).
+template <int BITS>
+inline void block_bytes_u8(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm_and_si128(packed, low);
+  hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+  if constexpr (BITS == 5) {
+    const __m256i fifth = fifth_bits(p + 16);
+    lo = _mm_or_si128(lo, _mm256_castsi256_si128(fifth));
+    hi = _mm_or_si128(hi, _mm256_extracti128_si256(fifth, 1));
+  }
+}
+
+#endif  // TG_AVX2
+
+// Value k of a row (any CPU): int8, or 0..15 / 0..31 unpacked from its block.
+template <int BITS>
+inline int q_at(const uint8_t* q, int64_t k) {
+  if constexpr (BITS == 8) {
+    return reinterpret_cast<const int8_t*>(q)[k];
+  } else {
+    const uint8_t* block = q + k / 32 * block_bytes(BITS);
+    const int64_t j = k & 31;
+    const int nibble = j < 16 ? (block[j] & 0x0F) : (block[j - 16] >> 4);
+    if constexpr (BITS == 5) return nibble | (((block[16 + j / 8] >> (j % 8)) & 1) << 4);
+    return nibble;
+  }
+}
+
+// sum_g mins[g] * xsum[g], the offsets' share of one output. Eight groups at a time where the build
+// has AVX2 (a scalar chain of one add per group cost 7 of 20 ms on the 262144-row head in 5 bits).
+template <typename S>
+inline float min_dot(const S* mins, const float* xsum, int64_t groups) {
+  float y = 0.f;
+  int64_t g = 0;
+#ifdef TG_AVX2
+  if (groups >= 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(load8(mins + g), _mm256_loadu_ps(xsum + g), acc);
+    y = hsum(acc);
+  }
+#endif
+  for (; g < groups; ++g) y += to_float(mins[g]) * xsum[g];
+  return y;
+}
+
+// x (M, K) float32 -> the sum of each group of G values of each row (M, K / G), accumulated in
+// double and rounded once: what the offsets multiply (qlinear and qlinear_bounds use the same sums).
+inline std::vector<float> group_sums(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* p = x.data_ptr<float>();
+  std::vector<float> out(M * (K / G));
+  for (int64_t i = 0; i < M * (K / G); ++i) {
+    double total = 0;
+    for (int64_t k = 0; k < G; ++k) total += p[i * G + k];
+    out[i] = static_cast<float>(total);
+  }
+  return out;
+}
+
+inline void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                         int64_t bits, int64_t group, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qlinear: bits must be 4, 5 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qlinear: qweight must be a contiguous 2-D tensor");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "qlinear: qweight of bits ", bits,
+              " must be ", bits == 8 ? "int8" : "uint8", ", got ", qweight.scalar_type());
+  TORCH_CHECK(bits != 5 || qweight.size(1) % 20 == 0, "qlinear: 5-bit rows take 20 bytes per 32 values, got ",
+              qweight.size(1));
+  TORCH_CHECK(group > 0 && K % group == 0 && group % (bits == 8 ? 8 : 32) == 0, "qlinear: group size ", group,
+              " does not divide ", K, " values into whole blocks of ", bits == 8 ? 8 : 32);
+  const int64_t N = qweight.size(0);
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group,
+              "qlinear: scales must be float32 or float16 (", N, ", ", K / group, "), got ", scales.scalar_type(),
+              " ", scales.sizes());
+  if (mins) {
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                    mins->sizes() == scales.sizes(),
+                "qlinear: mins must be of the scales' dtype and shape ", scales.sizes(), ", got ",
+                mins->scalar_type(), " ", mins->sizes());
+  }
+}
+
+inline int64_t in_features(const at::Tensor& qweight, int64_t bits) {
+  return bits == 8 ? qweight.size(1) : bits == 4 ? qweight.size(1) * 2 : qweight.size(1) / 20 * 32;
+}
+
+// Calls f(std::integral_constant<int, bits>{}, S{}) for the layout's bits and scale type.
+template <typename F>
+void dispatch(int64_t bits, const at::Tensor& scales, F&& f) {
+  auto with_bits = [&](auto scale) {
+    if (bits == 8) return f(std::integral_constant<int, 8>{}, scale);
+    if (bits == 5) return f(std::integral_constant<int, 5>{}, scale);
+    return f(std::integral_constant<int, 4>{}, scale);
+  };
+  if (scales.scalar_type() == at::kHalf) return with_bits(c10::Half{});
+  return with_bits(float{});
+}
+
+// A product's checked inputs: x (..., K) as float32 rows (M, K), for a weight of K features.
+inline at::Tensor product_rows(const char* op, const at::Tensor& x_in, const at::Tensor& qweight,
+                               const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, mins, bits, group, K);
+  TORCH_CHECK(x_in.size(-1) == K, op, ": input has ", x_in.size(-1), " features, the weight takes ", K);
+  return x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+}
+
+// The activations' rounding (qlinear_bounds with int8, qlinear_int with int8 or int16):
+// x (K) -> xq (K, int8 or int16), d (K / 32): x[k] ~ d[k / 32] * xq[k] (d = max |x| / L over the block,
+// L = 127 or 32767, xq = x / d rounded to nearest, ties to even).
+template <typename X>
+void round_to_ints(const float* x, int64_t K, X* xq, float* d) {
+  constexpr int kLevels = std::is_same_v<X, int8_t> ? 127 : 32767;
+#ifdef TG_AVX512
+  // The same operations 16 values at a time (a division, and vcvtps2dq's round to nearest even: lrint's
+  // rounding in the default mode), so the same integers.
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i lo = _mm512_set1_epi32(-kLevels), hi = _mm512_set1_epi32(kLevels);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float scale = amax / static_cast<float>(kLevels);
+    d[b] = scale;
+    if (!(scale > 0.f)) {
+      std::memset(xq + b * 32, 0, 32 * sizeof(X));
+      continue;
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x0, sv))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_div_ps(x1, sv))));
+    if constexpr (std::is_same_v<X, int8_t>) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), _mm512_cvtepi32_epi16(q0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32 + 16), _mm512_cvtepi32_epi16(q1));
+    }
+  }
+  return;
+#endif
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float amax = 0.f;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float scale = amax / static_cast<float>(kLevels);
+    d[b] = scale;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) {
+      const long v = scale > 0.f ? std::lrint(x[k] / scale) : 0;
+      xq[k] = static_cast<X>(std::max<long>(-kLevels, std::min<long>(kLevels, v)));
+    }
+  }
+}
+
+}  // namespace torchgemma::TG_ISA

@@ -1,0 +1,226 @@
+// The greedy head's helpers: qlinear_bounds (approximate scores and their bounds), row_norms and
+// bounded_candidates (QuantizedWeight.argmax in torchgemma/quantization/modules.py).
+
+#include "common.h"
+
+namespace torchgemma::TG_ISA {
+
+
+// ── Bounds for a greedy head ─────────────────────────────────────────────────────────────────
+//
+// Greedy decoding needs only the largest logit. qlinear_bounds scores every row with the activations
+// rounded to int8 (per block of 32 values: x ~ d * xq, |xq| <= 127), which integer dot products read
+// at the bytes' speed, and returns with each approximate score a bound on its distance from what
+// qlinear computes:
+//
+//     |qlinear(x)[n] - approx[n]| <= bound[n]
+//
+// The rounding of x moves row n's product by sum_k (s q)[n, k] * e[k] (e = x - d * xq), at most
+// ||(s q)[n]|| * ||e|| (Cauchy-Schwarz); float32 rounding moves each computation by at most
+// gamma * ||(s q)[n]|| * ||x|| (gamma = (K + 64) * 2^-24, a sum of K products, both orders); the offsets'
+// share (mins) is the same float32 computation in both. `row_norms` are ||(s q)[n]||, rounded up.
+// A row whose upper end (approx + bound) is below the largest lower end (approx - bound) cannot hold
+// the maximum; the rows that can are few, and the caller computes them exactly (qlinear on those rows).
+
+constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24, float32's unit roundoff
+
+// round_to_ints (int8), and ||x - d xq||, ||x||, ||d xq||.
+std::array<double, 3> quantize_activations(const float* x, int64_t K, int8_t* xq, float* d) {
+  round_to_ints(x, K, xq, d);
+  double err = 0, norm = 0, approx = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double back = static_cast<double>(d[k / 32]) * xq[k];
+    err += (x[k] - back) * (x[k] - back);
+    norm += static_cast<double>(x[k]) * x[k];
+    approx += back * back;
+  }
+  return {std::sqrt(err), std::sqrt(norm), std::sqrt(approx)};
+}
+
+// One weight row against xq: sum_b (s d)_b * dot(q_b, xq_b), 32 values per block b.
+template <int BITS, typename S>
+inline float approx_row(const uint8_t* q, const S* scales, int64_t K, int64_t G, const int8_t* xq, const float* d) {
+  const int64_t blocks = K / 32;
+#ifdef TG_AVX2
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+  auto block = [&](int64_t b, float sd, __m256 acc) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    __m256i pairs;
+    if constexpr (BITS == 8) {
+      // maddubs multiplies unsigned by signed bytes: |q| (0..128, -128 included) times xq with q's
+      // sign (|xq| <= 127, so the sign never overflows; pairs stay below 2 * 128 * 127 < 2^15).
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+    } else {  // bits 4: unsigned 0..15, values 0-15 in the low nibbles, 16-31 in the high ones
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m128i low = _mm_set1_epi8(0x0F);
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+      pairs = _mm256_maddubs_epi16(w, xv);
+    }
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+    return _mm256_fmadd_ps(_mm256_set1_ps(sd), dot, acc);
+  };
+  if (G == 32) {  // one scale per block
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {  // two chains: the FMA latency overlaps
+      t0 = block(b, to_float(scales[b]) * d[b], t0);
+      t1 = block(b + 1, to_float(scales[b + 1]) * d[b + 1], t1);
+    }
+    if (b < blocks) t0 = block(b, to_float(scales[b]) * d[b], t0);
+  } else {
+    const int64_t per = G / 32;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float s = to_float(scales[g]);
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+        if (b & 1) t1 = block(b, s * d[b], t1);
+        else t0 = block(b, s * d[b], t0);
+      }
+    }
+  }
+  return hsum(_mm256_add_ps(t0, t1));
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t dot = 0;
+    for (int64_t k = b * 32; k < (b + 1) * 32; ++k) dot += q_at<BITS>(q, k) * xq[k];
+    total += to_float(scales[b * 32 / G]) * d[b] * static_cast<float>(dot);
+  }
+  return total;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
+                                                      const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                                      int64_t bits, int64_t group, const at::Tensor& row_norms) {
+  const at::Tensor x = product_rows("qlinear_bounds", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(bits == 8 || bits == 4, "qlinear_bounds: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0, "qlinear_bounds: needs groups of a multiple of 32 values");
+  const int64_t N = qweight.size(0), groups = K / group;
+  TORCH_CHECK(row_norms.scalar_type() == at::kFloat && row_norms.dim() == 1 && row_norms.size(0) == N &&
+                  row_norms.is_contiguous(),
+              "qlinear_bounds: row_norms must be float32 (", N, ")");
+  const int64_t M = x.size(0);
+  at::Tensor approx = at::empty({M, N}, x.options()), bound = at::empty({M, N}, x.options());
+  const std::vector<float> xsum = mins ? group_sums(x, group) : std::vector<float>();
+  std::vector<int8_t> xq(K);
+  std::vector<float> d(K / 32);
+  const double gamma = (K + 64) * kUnit / (1.0 - (K + 64) * kUnit);
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    const float* rn = row_norms.data_ptr<float>();
+    const int64_t row_bytes = qweight.size(1);
+    for (int64_t m = 0; m < M; ++m) {
+      float* ap = approx.data_ptr<float>() + m * N;
+      float* bp = bound.data_ptr<float>() + m * N;
+      const float* xm = x.data_ptr<float>() + m * K;
+      if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+        // Nothing to bound with: every row stays in doubt (the caller computes them all).
+        std::fill(ap, ap + N, 0.f);
+        std::fill(bp, bp + N, std::numeric_limits<float>::infinity());
+        continue;
+      }
+      const auto [err, norm, norm_approx] = quantize_activations(xm, K, xq.data(), d.data());
+      // Per unit of row norm: the rounding of x, then both computations' float32 rounding (1 + 2^-20:
+      // this sum's own rounding, in double).
+      const float beta = static_cast<float>((err + 2 * gamma * (norm + norm_approx)) * (1.0 + 1.0 / 1048576));
+      const float* xs = mins ? xsum.data() + m * groups : nullptr;
+      const int64_t grain = std::max<int64_t>(1, 16384 / K);
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          float a = approx_row<BITS>(qp + n * row_bytes, sp + n * groups, K, group, xq.data(), d.data());
+          if (mp) a += min_dot(mp + n * groups, xs, groups);
+          const float b = rn[n] * beta;
+          // 2^-21 of |a| + b: the final additions of both computations, and the caller's a +- b in
+          // float32 (each at most 2^-24 relative).
+          ap[n] = a;
+          bp[n] = b + (std::fabs(a) + b) * (1.0f / 2097152);
+        }
+      });
+    }
+  });
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return {approx.view(shape), bound.view(shape)};
+}
+
+// The rows that may hold each row's maximum: n with approx + bound >= max over n' of approx - bound
+// (float32 sums, as the caller would form them; the bound's slack covers their rounding). Returns the
+// indices, row after row, ascending, and how many each row has.
+std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound) {
+  TORCH_CHECK(approx.scalar_type() == at::kFloat && bound.scalar_type() == at::kFloat && approx.dim() == 2 &&
+                  approx.sizes() == bound.sizes() && approx.is_contiguous() && bound.is_contiguous(),
+              "bounded_candidates: approx and bound must be contiguous float32 (M, N) tensors of one shape");
+  const int64_t M = approx.size(0), N = approx.size(1);
+  std::vector<int64_t> picked;
+  at::Tensor counts = at::empty({M}, approx.options().dtype(at::kLong));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = approx.data_ptr<float>() + m * N;
+    const float* b = bound.data_ptr<float>() + m * N;
+    float best = -std::numeric_limits<float>::infinity();
+    const size_t before = picked.size();
+    int64_t n = 0;
+#ifdef TG_AVX2
+    __m256 top = _mm256_set1_ps(best);
+    for (; n + 8 <= N; n += 8)
+      top = _mm256_max_ps(top, _mm256_sub_ps(_mm256_loadu_ps(a + n), _mm256_loadu_ps(b + n)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (float v : lanes) best = std::max(best, v);
+#endif
+    for (int64_t r = n; r < N; ++r) best = std::max(best, a[r] - b[r]);
+    n = 0;
+#ifdef TG_AVX2
+    const __m256 floor = _mm256_set1_ps(best);
+    for (; n + 8 <= N; n += 8) {
+      const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(a + n), _mm256_loadu_ps(b + n));
+      unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(upper, floor, _CMP_GE_OQ));
+      for (; mask; mask &= mask - 1) picked.push_back(n + __builtin_ctz(mask));
+    }
+#endif
+    for (; n < N; ++n)
+      if (a[n] + b[n] >= best) picked.push_back(n);
+    counts.data_ptr<int64_t>()[m] = static_cast<int64_t>(picked.size() - before);
+  }
+  at::Tensor indices = at::empty({static_cast<int64_t>(picked.size())}, counts.options());
+  std::copy(picked.begin(), picked.end(), indices.data_ptr<int64_t>());
+  return {indices, counts};
+}
+
+// ||(s q)[n]|| per row (float32, rounded up): what qlinear_bounds' rows are measured by.
+at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group) {
+  const int64_t K = in_features(qweight, bits);
+  check_layout(qweight, scales, std::nullopt, bits, group, K);
+  const int64_t N = qweight.size(0), groups = K / group, row_bytes = qweight.size(1);
+  at::Tensor out = at::empty({N}, scales.options().dtype(at::kFloat));
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        double total = 0;
+        for (int64_t g = 0; g < groups; ++g) {
+          int64_t squares = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+            const int64_t v = q_at<BITS>(qp + n * row_bytes, k);
+            squares += v * v;
+          }
+          const double s = to_float(sp[n * groups + g]);
+          total += s * s * static_cast<double>(squares);
+        }
+        op[n] = static_cast<float>(std::sqrt(total) * (1.0 + 1.0 / 1048576));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace torchgemma::TG_ISA

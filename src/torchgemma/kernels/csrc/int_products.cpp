@@ -1,0 +1,358 @@
+// qlinear_int: products with activations rounded to integers, for calls of many rows.
+
+#include "common.h"
+
+namespace torchgemma::TG_ISA {
+
+
+// ── Products with integer activations (qlinear_int, for calls of many rows) ─────────────────────
+//
+// qlinear_int rounds each row of x to integers of `x_bits` bits (8 or 16) per block of 32 values
+// (d = max|x| / L, xq = x / d rounded to nearest, ties to even, L = 127 or 32767), then multiplies
+// integers. Per "span" of F values (F = the weight's group size, or 32 if the group is longer: one
+// activation scale and one weight scale over it), with q' = q + off the weight's integers (for 8-bit
+// activations made unsigned: off = 128 for 8-bit weights; off = 0 otherwise):
+//
+//     I = sum q'[n, k] xq[m, k]   X = sum xq[m, k]                       (int32, exact)
+//     t = float(I - off X) * s[n, g]      then  t = fma(min[n, g], float(X), t)  if mins
+//     out[m, n] = fma(t, d[m, k / 32], out[m, n])                         span after span
+//
+// (float(I) rounds to nearest where |I| > 2^24: 16-bit activations only.) The float operations are
+// these, in this order, for every (m, n), so every build gives the same bits.
+//
+// x_bits 8 is llama.cpp's arithmetic (its activations are Q8_0/Q8_K blocks): 2-3x the float32
+// BLAS's speed where the CPU has AVX-512 VNNI (vpdpbusd: 64 byte products per instruction), for a
+// visible rounding of the activations (perplexity +0.2% on Gemma 3 270M). x_bits 16 (vpdpwssd: 32
+// products per instruction) rounds them 258 times finer: the float32 products' perplexity and greedy
+// tokens there, at ~1.6x the float32 BLAS's speed (benchmarks/README.md).
+//
+// For VNNI the integers of 16 rows are interleaved a dword at a time (one 64-byte load holds values
+// k..k+3 (bytes) or k..k+1 (int16) of each row), a slab of rows at a time, in each thread's own buffer.
+
+constexpr int64_t kIntRows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
+// A VNNI tile: this many activation rows times this many interleaved groups (4 x 2: tiles of 6 x 2,
+// 4 x 3, 3 x 4, 8 x 1 and 5 x 2 measured within noise of it, for both widths).
+constexpr int kTileRows = 4, kTileGroups = 2;
+
+// A span's length for a weight group G (0: no span fits, G neither divides 32 nor is a multiple).
+inline int64_t int_span(int64_t G) { return G % 32 == 0 ? 32 : (32 % G == 0 ? G : 0); }
+
+// The integer types of x_bits 8 and 16: activations, and weights as the products take them.
+template <int XB> struct IntTypes;
+template <> struct IntTypes<8> { using X = int8_t; using W = uint8_t; };
+template <> struct IntTypes<16> { using X = int16_t; using W = int16_t; };
+
+#ifdef TG_AVX512
+// 16 rows of 16 dwords (at src + r * stride) -> dst[j * 16 + r] = row r's dword j: the 16 x 16 transpose,
+// in registers (pairs of dwords, then of qwords, then of 128-bit lanes, twice).
+inline void transpose_dwords16(const uint8_t* src, int64_t stride, uint8_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(src + i * stride));
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] holds, in each 128-bit lane L, dword 4L + b' of rows 4a..4a+3 (b' = 0, 1, 2, 3 for
+  // b = 0, 1, 2, 3). Gather lanes across the four groups a.
+  for (int b = 0; b < 4; ++b) {
+    const __m512i a01lo = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44);   // lanes 0,1 of a=0 | lanes 0,1 of a=1
+    const __m512i a01hi = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xEE);   // lanes 2,3 of a=0 | lanes 2,3 of a=1
+    const __m512i a23lo = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+    const __m512i a23hi = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xEE);
+    // dword 4L + b of all 16 rows: lane L of a = 0, 1, 2, 3 in order
+    t[b] = _mm512_shuffle_i32x4(a01lo, a23lo, 0x88);       // L = 0
+    t[4 + b] = _mm512_shuffle_i32x4(a01lo, a23lo, 0xDD);   // L = 1
+    t[8 + b] = _mm512_shuffle_i32x4(a01hi, a23hi, 0x88);   // L = 2
+    t[12 + b] = _mm512_shuffle_i32x4(a01hi, a23hi, 0xDD);  // L = 3
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(reinterpret_cast<void*>(dst + j * 64), t[j]);
+}
+#endif
+
+// Rows n0..n0 + 16 of the weight as the products' integers (XB 8: unsigned bytes, q + 128 for 8-bit
+// weights; XB 16: int16), interleaved a dword at a time (rows past N are zero), and their scales and
+// mins per group as float32 (16 per group).
+template <int XB, int BITS, typename S>
+void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
+                   int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
+  using W = typename IntTypes<XB>::W;
+  const int64_t groups = K / G, row_size = K * static_cast<int64_t>(sizeof(W));
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(kIntRows * row_size);
+  for (int64_t r = 0; r < kIntRows; ++r) {
+    const int64_t n = n0 + r;
+    W* row = reinterpret_cast<W*>(buffer.data() + r * row_size);
+    if (n < N) {
+      const uint8_t* q = qp + n * row_bytes;
+      if constexpr (BITS == 8) {
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (XB == 8) row[k] = static_cast<uint8_t>(q[k] ^ 0x80);  // q + 128
+          else row[k] = reinterpret_cast<const int8_t*>(q)[k];
+        }
+      } else {
+        for (int64_t b = 0; b < K / 32; ++b) {
+#ifdef TG_AVX2
+          __m128i lo, hi;
+          block_bytes_u8<BITS>(q + b * block_bytes(BITS), lo, hi);
+          if constexpr (XB == 8) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32), lo);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + b * 32 + 16), hi);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32), _mm256_cvtepu8_epi16(lo));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * 32 + 16), _mm256_cvtepu8_epi16(hi));
+          }
+#else
+          for (int64_t k = b * 32; k < (b + 1) * 32; ++k) row[k] = static_cast<W>(q_at<BITS>(q, k));
+#endif
+        }
+      }
+    } else {
+      std::memset(row, 0, row_size);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      spack[g * kIntRows + r] = n < N ? to_float(sp[n * groups + g]) : 0.f;
+      if (mpack) mpack[g * kIntRows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
+    }
+  }
+  int64_t at = 0;  // bytes of each row done
+#ifdef TG_AVX512
+  for (; at + 64 <= row_size; at += 64) transpose_dwords16(buffer.data() + at, row_size, wpack + at * kIntRows);
+#endif
+  for (; at < row_size; at += 4)
+    for (int64_t r = 0; r < kIntRows; ++r)
+      std::memcpy(wpack + at * kIntRows + r * 4, buffer.data() + r * row_size + at, 4);
+}
+
+// The activations' rounding: xq (M, K) of XB bits (as bytes), d (M, K / 32), and the span sums X (M, K / F).
+struct IntActivations {
+  std::vector<uint8_t> xq;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+};
+
+// One interleaved group of 16 rows against activation rows m0..m0 + count, portable: out[m][r].
+template <int XB>
+void int_group_portable(const uint8_t* wpack, const float* spack, const float* mpack, const IntActivations& a,
+                        int64_t K, int64_t G, int64_t F, int off, int64_t m0, int64_t count, float* out,
+                        int64_t out_stride, int64_t valid) {
+  using X = typename IntTypes<XB>::X;
+  using W = typename IntTypes<XB>::W;
+  constexpr int64_t per = 4 / static_cast<int64_t>(sizeof(W));  // values per dword
+  const W* w = reinterpret_cast<const W*>(wpack);
+  const int64_t spans = K / F;
+  for (int64_t m = m0; m < m0 + count; ++m) {
+    const X* xq = reinterpret_cast<const X*>(a.xq.data()) + m * K;
+    float acc[kIntRows] = {};
+    for (int64_t s = 0; s < spans; ++s) {
+      const int32_t Xs = a.sums[m * spans + s];
+      const float dm = a.d[m * (K / 32) + s * F / 32];
+      const int64_t g = s * F / G;
+      int32_t sums[kIntRows] = {};
+      for (int64_t k = s * F; k < (s + 1) * F; k += per) {  // rows innermost: the compiler vectorizes
+        const W* wk = w + k * kIntRows;
+        for (int64_t j = 0; j < per; ++j) {
+          const int32_t xj = xq[k + j];
+          for (int64_t r = 0; r < kIntRows; ++r) sums[r] += static_cast<int32_t>(wk[r * per + j]) * xj;
+        }
+      }
+      for (int64_t r = 0; r < kIntRows; ++r) {
+        const int32_t I = sums[r];
+        float t = static_cast<float>(I - off * Xs) * spack[g * kIntRows + r];
+        if (mpack) t = std::fma(mpack[g * kIntRows + r], static_cast<float>(Xs), t);
+        acc[r] = std::fma(t, dm, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < valid; ++r) out[(m - m0) * out_stride + r] = acc[r];
+  }
+}
+
+#if defined(TG_AVX512) && defined(__GNUC__)
+#define TG_VNNI 1
+// MT activation rows times RV interleaved groups (16 rows each): int32 sums per span in registers,
+// then the span's float step. Built for VNNI whatever the build's flags; called only where the CPU
+// has it (__builtin_cpu_supports).
+template <int XB, int MT, int RV, bool MINS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_tile_vnni(
+    const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
+    const IntActivations& a, int64_t K, int64_t G, int64_t F, int off, int64_t m0, float* out, int64_t out_stride,
+    int64_t valid) {
+  constexpr int64_t xb = XB / 8, per = 4 / xb;  // bytes per activation, values per dword
+  const int64_t spans = K / F, dstride = K / 32;
+  __m512 acc[MT][RV];
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < RV; ++r) acc[t][r] = _mm512_setzero_ps();
+  const uint8_t* xq = a.xq.data() + m0 * K * xb;
+  for (int64_t s = 0; s < spans; ++s) {
+    __m512i isum[MT][RV];
+    for (int t = 0; t < MT; ++t)
+      for (int r = 0; r < RV; ++r) isum[t][r] = _mm512_setzero_si512();
+    for (int64_t k = s * F; k < (s + 1) * F; k += per) {
+      __m512i w[RV];
+      for (int r = 0; r < RV; ++r)
+        w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wpack + r * wstride + k * xb * kIntRows));
+      for (int t = 0; t < MT; ++t) {
+        int32_t dword;
+        std::memcpy(&dword, xq + (t * K + k) * xb, 4);
+        const __m512i xv = _mm512_set1_epi32(dword);
+        for (int r = 0; r < RV; ++r) {
+          if constexpr (XB == 8) isum[t][r] = _mm512_dpbusd_epi32(isum[t][r], w[r], xv);
+          else isum[t][r] = _mm512_dpwssd_epi32(isum[t][r], w[r], xv);
+        }
+      }
+    }
+    const int64_t g = s * F / G;
+    __m512 sc[RV], mn[RV];
+    for (int r = 0; r < RV; ++r) {
+      sc[r] = _mm512_loadu_ps(spack + r * sstride + g * kIntRows);
+      if constexpr (MINS) mn[r] = _mm512_loadu_ps(mpack + r * sstride + g * kIntRows);
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int32_t X = a.sums[(m0 + t) * spans + s];
+      const __m512 dm = _mm512_set1_ps(a.d[(m0 + t) * dstride + s * F / 32]);
+      for (int r = 0; r < RV; ++r) {
+        __m512i i = isum[t][r];
+        if (off) i = _mm512_sub_epi32(i, _mm512_set1_epi32(off * X));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(i), sc[r]);
+        if constexpr (MINS) v = _mm512_fmadd_ps(mn[r], _mm512_set1_ps(static_cast<float>(X)), v);
+        acc[t][r] = _mm512_fmadd_ps(v, dm, acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < RV; ++r) {
+      const int64_t lanes = std::min<int64_t>(kIntRows, valid - r * kIntRows);
+      if (lanes <= 0) continue;
+      _mm512_mask_storeu_ps(out + t * out_stride + r * kIntRows, static_cast<__mmask16>((1u << lanes) - 1u),
+                            acc[t][r]);
+    }
+}
+
+template <int XB, int RV, bool MINS>
+void int_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, const float* mpack, int64_t sstride,
+                   const IntActivations& a, int64_t M, int64_t K, int64_t G, int64_t F, int off, float* out,
+                   int64_t out_stride, int64_t valid) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows)
+    int_tile_vnni<XB, kTileRows, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
+                                          out + m * out_stride, out_stride, valid);
+  for (; m < M; ++m)
+    int_tile_vnni<XB, 1, RV, MINS>(wpack, wstride, spack, mpack, sstride, a, K, G, F, off, m,
+                                   out + m * out_stride, out_stride, valid);
+}
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return has;
+}
+#endif
+
+template <int XB>
+void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, at::Tensor& out) {
+  using X = typename IntTypes<XB>::X;
+  using W = typename IntTypes<XB>::W;
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), F = int_span(group);
+  IntActivations a{std::vector<uint8_t>(M * K * sizeof(X)), std::vector<float>(M * K / 32),
+                   std::vector<int32_t>(M * K / F)};
+  const float* xp = x.data_ptr<float>();
+  std::vector<char> bad(M, 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = xp + m * K;
+      X* xq = reinterpret_cast<X*>(a.xq.data()) + m * K;
+      if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+        bad[m] = 1;  // no integer rounding of inf or NaN: the row's products are NaN (below)
+        std::fill(xq, xq + K, static_cast<X>(0));
+        std::fill(a.d.begin() + m * (K / 32), a.d.begin() + (m + 1) * (K / 32), 0.f);
+      } else {
+        round_to_ints(xm, K, xq, a.d.data() + m * (K / 32));
+      }
+      for (int64_t s = 0; s < K / F; ++s) {
+        int32_t sum = 0;
+        for (int64_t k = s * F; k < (s + 1) * F; ++k) sum += xq[k];
+        a.sums[m * (K / F) + s] = sum;
+      }
+    }
+  });
+  const int off = XB == 8 && bits == 8 ? 128 : 0;
+  const int64_t groups = K / group, wstride = K * static_cast<int64_t>(sizeof(W)) * kIntRows,
+                sstride = groups * kIntRows;
+  dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+    const S* sp = static_cast<const S*>(scales.data_ptr());
+    const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
+    float* op = out.data_ptr<float>();
+    // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
+    // activation row passes over them.
+    constexpr int64_t kGroups = kTileGroups;
+    const int64_t slabs = (N + kGroups * kIntRows - 1) / (kGroups * kIntRows);
+    at::parallel_for(0, slabs, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint8_t> wpack(kGroups * wstride);
+      std::vector<float> spack(kGroups * sstride), mpack(mp ? kGroups * sstride : 0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kGroups * kIntRows;
+        const int64_t valid = std::min<int64_t>(kGroups * kIntRows, N - n0);
+        const int64_t used = (valid + kIntRows - 1) / kIntRows;
+        for (int64_t j = 0; j < used; ++j)
+          pack_int_rows<XB, BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0 + j * kIntRows,
+                                  wpack.data() + j * wstride, spack.data() + j * sstride,
+                                  mp ? mpack.data() + j * sstride : nullptr);
+        const float* mpk = mp ? mpack.data() : nullptr;
+#ifdef TG_VNNI
+        if (cpu_has_vnni()) {
+          auto run = [&](auto rv, int64_t j, int64_t rows) {
+            constexpr int RV = decltype(rv)::value;
+            const float* mj = mp ? mpk + j * sstride : nullptr;
+            if (mp)
+              int_rows_vnni<XB, RV, true>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
+                                          sstride, a, M, K, group, F, off, op + n0 + j * kIntRows, N, rows);
+            else
+              int_rows_vnni<XB, RV, false>(wpack.data() + j * wstride, wstride, spack.data() + j * sstride, mj,
+                                           sstride, a, M, K, group, F, off, op + n0 + j * kIntRows, N, rows);
+          };
+          if (used == kGroups) {
+            run(std::integral_constant<int, kGroups>{}, 0, valid);
+          } else {  // the last rows: a group at a time
+            for (int64_t j = 0; j < used; ++j)
+              run(std::integral_constant<int, 1>{}, j, std::min<int64_t>(kIntRows, valid - j * kIntRows));
+          }
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < used; ++j)
+          int_group_portable<XB>(wpack.data() + j * wstride, spack.data() + j * sstride,
+                                 mp ? mpack.data() + j * sstride : nullptr, a, K, group, F, off, 0, M,
+                                 op + n0 + j * kIntRows, N, std::min<int64_t>(kIntRows, valid - j * kIntRows));
+      }
+    });
+  });
+  for (int64_t m = 0; m < M; ++m)
+    if (bad[m]) out[m].fill_(std::numeric_limits<float>::quiet_NaN());
+}
+
+// x (M, K) float32 -> (M, N) float32, x rounded to x_bits-bit integers (see above).
+at::Tensor qlinear_int_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t x_bits) {
+  const at::Tensor x = product_rows("qlinear_int", x_in, qweight, scales, mins, bits, group);
+  const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
+  TORCH_CHECK(x_bits == 8 || x_bits == 16, "qlinear_int: x_bits must be 8 or 16, got ", x_bits);
+  TORCH_CHECK(int_span(group) > 0 && K % 32 == 0,
+              "qlinear_int: needs groups that divide 32 values or are a multiple of them, and a multiple of 32 ",
+              "features; got groups of ", group, " over ", K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (x_bits == 8) qlinear_int_impl<8>(x, qweight, scales, mins, bits, group, out);
+  else qlinear_int_impl<16>(x, qweight, scales, mins, bits, group, out);
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+}  // namespace torchgemma::TG_ISA

@@ -1,0 +1,33 @@
+// The CPU kernels that one instruction set's build of the sources defines, in namespace
+// torchgemma::TG_ISA. No include guard: registration.cpp includes this once per set.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace torchgemma::TG_ISA {
+
+// qlinear.cpp
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t bits, int64_t group);
+at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                          int64_t bits, int64_t group);
+at::Tensor qlinear_dense_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, int64_t bits, int64_t group);
+// int_products.cpp
+at::Tensor qlinear_int_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t x_bits);
+// greedy_head.cpp
+std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                                      const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                                      int64_t bits, int64_t group, const at::Tensor& row_norms);
+at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group);
+std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound);
+// norms_rope.cpp
+at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, bool plus_one);
+at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// decode_attention.cpp
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+
+}  // namespace torchgemma::TG_ISA
