@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchgemma.cli import default_threads, main
+from torchgemma.cli import main
+from torchgemma.cli.options import default_threads
 from torchgemma.llm import LLM
 
 # Step-by-step decoding of tiny models: one thread (see conftest.one_thread).
@@ -217,7 +218,10 @@ def test_version():
 @pytest.mark.parametrize("subcommand", ["generate", "chat"])
 def test_bad_arguments_fail_before_the_model_loads(subcommand, flags, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("torchgemma.cli._load_llm", lambda args: pytest.fail("the model was loaded"))
+    def never(args):
+        pytest.fail("the model was loaded")
+
+    monkeypatch.setattr(f"torchgemma.cli.{subcommand}.load_llm", never)
     argv = [subcommand, "--model", "never-loaded", *flags] + ([PROMPT] if subcommand == "generate" else [])
     try:
         code = main(argv)
@@ -290,7 +294,7 @@ def test_activations_flag_reaches_the_loader(monkeypatch, capsys):
 
 
 def test_device_auto_is_cuda_when_there_is_one(monkeypatch, capsys):
-    from torchgemma.cli import CLIError
+    from torchgemma.cli.common import CLIError
 
     seen = []
 
@@ -299,7 +303,7 @@ def test_device_auto_is_cuda_when_there_is_one(monkeypatch, capsys):
         raise CLIError("not loading")
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr("torchgemma.cli._load_llm", load)
+    monkeypatch.setattr("torchgemma.cli.generate.load_llm", load)
     assert main(["generate", "--model", "m", PROMPT]) == 2  # --device auto is the default
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["generate", "--model", "m", PROMPT]) == 2
@@ -446,7 +450,7 @@ def test_unexpected_errors_are_one_line_unless_verbose(capsys, monkeypatch):
     def broken(args):
         raise RuntimeError("something nobody anticipated\nsecond line")
 
-    monkeypatch.setattr("torchgemma.cli._load_llm", broken)
+    monkeypatch.setattr("torchgemma.cli.generate.load_llm", broken)
     assert main(["generate", "--model", "m", PROMPT]) == 2
     err = capsys.readouterr().err
     assert err == (

@@ -140,7 +140,7 @@ class ThinkingLLM:
 
 def test_chat_routes_thinking_to_stderr(capsys, monkeypatch):
     stub = ThinkingLLM()
-    monkeypatch.setattr("torchgemma.cli._load_llm", lambda args: stub)
+    monkeypatch.setattr("torchgemma.cli.chat.load_llm", lambda args: stub)
     code, out, err = run(
         ["chat", "--model", "m", "--think", "--top-k", "5"], capsys, "one\ntwo\n", monkeypatch
     )
@@ -148,7 +148,8 @@ def test_chat_routes_thinking_to_stderr(capsys, monkeypatch):
     assert out == "Answer 1.\nAnswer 2.\n"  # answers only
     assert err.count("[thinking] Let me think.\n") == 2
     history, thinking, sampling = stub.calls[1]
-    assert thinking and sampling == {"top_k": 5}
+    # --top-k alone: one SamplingParams, the checkpoint's defaults for the rest
+    assert thinking and sampling == {"sampling": ThinkingLLM.generation_config.sampling(top_k=5)}
     assert history == [
         {"role": "user", "content": "one"},
         {"role": "assistant", "content": "Answer 1."},  # the answer without its thinking

@@ -1,0 +1,55 @@
+"""``torchgemma embed``: sentence vectors from a sentence-transformers checkpoint, one JSON line per text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import CLIError, load_llm, prepare
+from .options import add_model_flags, int_at_least
+
+
+def add_parser(commands) -> None:
+    embed = commands.add_parser(
+        "embed",
+        help="sentence vectors from a sentence-transformers checkpoint (EmbeddingGemma)",
+        description="Sentence embeddings, as sentence-transformers computes them: the checkpoint's "
+        "decoder, pooling, dense layers and normalisation, with a task prompt. Prints one JSON line per "
+        'text: {"text": ..., "embedding": [...]}. Texts are the arguments, or standard input\'s lines '
+        "when there are none.",
+    )
+    add_model_flags(embed)
+    embed.add_argument("texts", nargs="*", help="the texts (default: one per line of standard input)")
+    embed.add_argument(
+        "--prompt-name",
+        default=None,
+        help="a task prompt of the checkpoint (EmbeddingGemma: query, document, ...)",
+    )
+    embed.add_argument("--prompt", default=None, help="a literal prompt written before each text")
+    embed.add_argument(
+        "--dimensions", type=int_at_least(1), default=None, help="keep the first N dimensions (Matryoshka)"
+    )
+    embed.add_argument("--batch-size", type=int_at_least(1), default=32)
+    embed.set_defaults(func=run, parser=embed, quiet=True, verbose=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise CLIError("no texts: give them as arguments or on standard input, one per line")
+    args.image = args.audio = args.video = []
+    prepare(args)
+    llm = load_llm(args)
+    if not llm.has_sentence_head:
+        raise CLIError(f"{args.model} has no sentence-transformers modules (modules.json): it cannot embed")
+    vectors = llm.embed(
+        texts,
+        prompt_name=args.prompt_name,
+        prompt=args.prompt,
+        batch_size=args.batch_size,
+        truncate_dim=args.dimensions,
+    )
+    for text, vector in zip(texts, vectors.float().cpu()):
+        print(json.dumps({"text": text, "embedding": vector.tolist()}))
+    return 0

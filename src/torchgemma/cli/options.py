@@ -1,0 +1,202 @@
+"""The flags several commands share, and argument types that reject a bad value at parse time,
+before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from ..weights.loading import resolve_dtype
+
+# Decode on a CPU is a chain of small matrix products with a barrier after each; when another
+# process holds one of the threads' cores, every barrier waits for it. gemma3-270m decode on a shared
+# 2-core machine (other work running, load average 2-8; medians of 5 runs of 32-48 tokens): 1 thread
+# 4.6 tok/s, 2 threads 1.3 tok/s; with a busy loop on one core as well, 1.8 vs 0.55. Half the cores
+# (the physical ones where cores are hyperthreads) leaves room for whatever else runs.
+THREADS_HELP = (
+    "CPU threads for the model (default: half the cores this process may use, at least 1; "
+    "gemma3-270m decode on a busy 2-core machine: 1 thread 4.6 tok/s, 2 threads 1.3 tok/s)"
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where the help is, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def default_threads() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+# ---- argument types ---------------------------------------------------------------------------------
+
+
+def int_at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def float_where(check, rule: str):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (math.isfinite(value) and check(value)):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def parse_dtype(text: str) -> str:
+    try:
+        resolve_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def parse_device(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"unknown device {text!r}; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"torchgemma runs on cpu, cuda or mps, not {text!r}")
+    return text
+
+
+# ---- flag groups ------------------------------------------------------------------------------------
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=parse_dtype,
+        default=None,
+        help="bf16 or fp32 (default: the checkpoint's; float16 overflows Gemma)",
+    )
+    parser.add_argument(
+        "--device",
+        type=parse_device,
+        default="auto",
+        help="auto (default: CUDA when there is a GPU, else cpu), cpu, cuda, cuda:1, mps",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help=THREADS_HELP,
+    )
+    parser.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="attention backend: sdpa (default, fast) or eager (transformers' arithmetic to the bit)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile; CUDA graphs on CUDA): minutes to start, faster steps",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=["auto", "int8", "int4", "gguf", "none"],
+        default="auto",
+        help="weight-only quantization of the text decoder: int8, int4, gguf (a .gguf file's own blocks), "
+        "none; auto (default): gguf for the named model gemma3-270m, else none",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=["auto", "float", "int16", "int8"],
+        default="auto",
+        help="a quantized model's prefill on the CPU: int16 (float32's accuracy, ~1.6x faster with AVX-512 "
+        "VNNI), int8 (llama.cpp's arithmetic: ~2.2x, slightly less accurate), float (the model's dtype); "
+        "auto (default): int16 where the CPU has AVX-512 VNNI, else float",
+    )
+
+
+def add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: str) -> None:
+    add_model_flags(parser)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="most tokens per reply (default: the checkpoint's, else 512)",
+    )
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", action="store_true", help=quiet)
+    talk.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    sampling = parser.add_argument_group(
+        "sampling",
+        "unset flags take the checkpoint's generation_config.json defaults (none: greedy); --top-k, "
+        "--top-p, --min-p or --seed without --temperature sample at temperature 1 when that default is greedy",
+    )
+    sampling.add_argument(
+        "--temperature", type=float_where(lambda v: v >= 0, ">= 0"), default=None, help="0 is greedy"
+    )
+    sampling.add_argument(
+        "--top-k", type=int_at_least(0), default=None, help="keep the k most likely tokens (0: off)"
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=float_where(lambda v: 0 < v <= 1, "in (0, 1]"),
+        default=None,
+        help="nucleus: keep this probability mass, in (0, 1]",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=float_where(lambda v: 0 <= v <= 1, "in [0, 1]"),
+        default=None,
+        help="drop tokens below min-p x the top one, in [0, 1]",
+    )
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=float_where(lambda v: v > 0, "> 0"),
+        default=None,
+        help="> 1 discourages repeats (also when greedy)",
+    )
+    sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+
+
+def add_media_flags(parser: argparse.ArgumentParser, where: str) -> None:
+    media = parser.add_argument_group("media", f"images, audio and videos (repeatable); {where}")
+    media.add_argument(
+        "--image", action="append", default=[], metavar="PATH", help="an image file (PNG, JPEG, ...)"
+    )
+    media.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an audio file (WAV; FLAC/OGG/MP3 need soundfile)",
+    )
+    media.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a video file (MP4, WebM, ...; needs PyAV: pip install 'torchgemma[video]')",
+    )
