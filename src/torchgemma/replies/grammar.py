@@ -1,8 +1,7 @@
-"""Gemma 4's reply grammar: generated text -> thinking, content and tool calls, whole or streamed.
+"""Gemma 4's reply format, read whole (`parse_reply`) or piece by piece (`ReplyStream`), and the
+tool-call syntax written for the model (`forced_call_prefix`, `template_tool_call`).
 
-One set of rules for every reader of a reply (``LLM.chat`` / ``LLM.stream_chat``,
-``Tokenizer.parse_reply``, the server). The input is generated text decoded with special tokens
-kept. Gemma 4 writes
+The input is generated text decoded with special tokens kept. Gemma 4 writes
 
     <|channel>thought\\n…<channel|>               thinking; the first line of the block is a label
     <|tool_call>call:NAME{key:value,…}<tool_call|>  a tool call, arguments in Gemma's own syntax
@@ -29,36 +28,20 @@ Rules shared by `parse_reply` (a whole reply) and `ReplyStream` (the same, piece
   block without its label line, stripped; non-empty blocks joined by a blank line ("\\n\\n"); None
   when there is no block.
 
-The other direction lives here too: `forced_call_prefix` is the text that makes the model's reply
-open with a tool call (written after the generation prompt, fed to the parser before the first
-generated token), and `ToolCall.template_entry` a parsed call as the chat template reads it back in
-an assistant message. `StopStrings` cuts streamed text at user stop strings (OpenAI's `stop`).
+The other direction: `forced_call_prefix` is the text that makes the model's reply open with a tool
+call (written after the generation prompt, fed to the parser before the first generated token), and
+`ToolCall.template_entry` a parsed call as the chat template reads it back in an assistant message.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "SPECIAL_TOKENS",
-    "STOP_MARKERS",
-    "ArgumentSyntaxError",
-    "Delta",
-    "ParsedReply",
-    "ReplyStream",
-    "StopStrings",
-    "ToolCall",
-    "forced_call_prefix",
-    "parse_arguments",
-    "parse_reply",
-]
+from .arguments import QUOTE, ArgumentSyntaxError, parse_arguments
 
-QUOTE = '<|"|>'
 CHANNEL_START, CHANNEL_END = "<|channel>", "<channel|>"
 CALL_START, CALL_END = "<|tool_call>", "<tool_call|>"
 STOP_MARKERS = ("<turn|>", "<eos>", "<|tool_response>")
@@ -87,181 +70,6 @@ _NAME = r"[\w.\-]+"  # e.g. get_weather, searxng-search, files.read
 _CALL = re.compile(rf"\s*call:({_NAME})(\{{.*\}})\s*", re.DOTALL)
 _BARE_CALL_HEAD = re.compile(rf"call:{_NAME}\{{")
 _BARE_CALL_PREFIX = re.compile(r"c(?:a(?:l(?:l(?::[\w.\-]*)?)?)?)?")  # what may still become a head
-
-
-# --- Arguments: `{key:value,...}` ----------------------------------------------------------------
-
-
-class ArgumentSyntaxError(ValueError):
-    """Tool-call arguments that are not Gemma's `{key:value,...}` syntax."""
-
-
-_PUNCTUATION = "{}[]:,"
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")  # JSON's number grammar
-_MAX_DEPTH = 100  # deeper nesting is an error, not a RecursionError
-_JSON = json.JSONDecoder()
-
-
-@dataclass(frozen=True)
-class _Token:
-    kind: str  # one of "{}[]:,", "string" (quoted) or "word" (bare)
-    value: str
-    start: int
-    end: int
-
-
-def _lex(text: str) -> list[_Token]:
-    tokens = []
-    i = 0
-    while i < len(text):
-        if text[i].isspace():
-            i += 1
-        elif text.startswith(QUOTE, i):
-            close = text.find(QUOTE, i + len(QUOTE))
-            if close < 0:
-                raise ArgumentSyntaxError(f"unterminated string at character {i}")
-            tokens.append(_Token("string", text[i + len(QUOTE) : close], i, close + len(QUOTE)))
-            i = close + len(QUOTE)
-        elif text[i] in _PUNCTUATION:
-            tokens.append(_Token(text[i], text[i], i, i + 1))
-            i += 1
-        else:
-            if text[i] == '"':
-                # Models trained on JSON sometimes quote strings the JSON way.
-                try:
-                    value, end = _JSON.raw_decode(text, i)
-                except ValueError:
-                    pass
-                else:
-                    tokens.append(_Token("string", value, i, end))
-                    i = end
-                    continue
-            end = i
-            while (
-                end < len(text)
-                and not text[end].isspace()
-                and text[end] not in _PUNCTUATION
-                and not text.startswith(QUOTE, end)
-            ):
-                end += 1
-            tokens.append(_Token("word", text[i:end], i, end))
-            i = end
-    return tokens
-
-
-def _bare_value(word: str) -> object:
-    if word in ("true", "false"):
-        return word == "true"
-    if word == "null":
-        return None
-    if _NUMBER.fullmatch(word):
-        if word.lstrip("-").isdigit():
-            return int(word)
-        number = float(word)
-        if math.isfinite(number):  # 1e999 would become Infinity, which is not JSON
-            return number
-    return word
-
-
-class _ArgumentParser:
-    """Recursive descent over `_lex` tokens: object := { [key : value (, key : value)* [,]] }."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.tokens = _lex(text)
-        self.pos = 0
-
-    def parse(self) -> dict:
-        if self._peek() != "{":
-            raise self._error("'{'")
-        arguments = self._object(1)
-        if self.pos != len(self.tokens):
-            raise self._error("the end of the arguments")
-        return arguments
-
-    def _peek(self) -> str:
-        return self.tokens[self.pos].kind if self.pos < len(self.tokens) else "end"
-
-    def _next(self) -> _Token:
-        token = self.tokens[self.pos]
-        self.pos += 1
-        return token
-
-    def _expect(self, kind: str) -> None:
-        if self._peek() != kind:
-            raise self._error(f"'{kind}'")
-        self.pos += 1
-
-    def _error(self, expected: str) -> ArgumentSyntaxError:
-        if self.pos < len(self.tokens):
-            token = self.tokens[self.pos]
-            found = f"{token.value!r} at character {token.start}"
-        else:
-            found = "the end"
-        return ArgumentSyntaxError(f"expected {expected}, found {found} in {self.text!r}")
-
-    def _words(self, *, colons: bool) -> str:
-        # Sloppy bare text: `hello world`, and in values `http://x` (lexed as word : word), kept verbatim.
-        first = last = self._next()
-        while self._peek() == "word" or (colons and self._peek() == ":"):
-            last = self._next()
-        return self.text[first.start : last.end]
-
-    def _key(self) -> str:
-        if self._peek() == "string":
-            return self._next().value
-        if self._peek() == "word":
-            return self._words(colons=False)
-        raise self._error("a key")
-
-    def _value(self, depth: int) -> object:
-        kind = self._peek()
-        if kind == "{":
-            return self._object(depth + 1)
-        if kind == "[":
-            return self._array(depth + 1)
-        if kind == "string":
-            return self._next().value
-        if kind == "word":
-            return _bare_value(self._words(colons=True))
-        raise self._error("a value")
-
-    def _object(self, depth: int) -> dict:
-        if depth > _MAX_DEPTH:
-            raise ArgumentSyntaxError(f"arguments nested deeper than {_MAX_DEPTH} levels")
-        self._expect("{")
-        result = {}
-        while self._peek() != "}":
-            key = self._key()
-            self._expect(":")
-            result[key] = self._value(depth)
-            if self._peek() != ",":
-                break
-            self.pos += 1  # a trailing comma before '}' is tolerated
-        self._expect("}")
-        return result
-
-    def _array(self, depth: int) -> list:
-        if depth > _MAX_DEPTH:
-            raise ArgumentSyntaxError(f"arguments nested deeper than {_MAX_DEPTH} levels")
-        self._expect("[")
-        result = []
-        while self._peek() != "]":
-            result.append(self._value(depth))
-            if self._peek() != ",":
-                break
-            self.pos += 1
-        self._expect("]")
-        return result
-
-
-def parse_arguments(text: str) -> dict:
-    """Gemma's `{key:value,...}` argument syntax -> a dict of JSON-compatible values.
-
-    Strings are `<|"|>…<|"|>` (or JSON-quoted); keys may be bare or quoted. A bare value is `true`,
-    `false`, `null`, a JSON number, or else a string (sloppy `{path:a.txt}`). Whitespace between
-    tokens and trailing commas are tolerated. Raises ArgumentSyntaxError."""
-    return _ArgumentParser(text).parse()
 
 
 # --- Whole replies -----------------------------------------------------------------------------
@@ -660,51 +468,3 @@ class ReplyStream:
         if self._deltas and self._deltas[-1].kind == kind:
             text = self._deltas.pop().text + text
         self._deltas.append(Delta(kind, text))
-
-
-# --- Stop strings ------------------------------------------------------------------------------
-
-
-class StopStrings:
-    """User stop strings (OpenAI `stop`) applied to streamed text without leaking a partial match.
-
-    The text is cut right before the first stop string to be complete when read left to right (among
-    those completing at the same character, the longest), so the result does not depend on how the
-    text was split. Text that may be the start of a stop string is held back until it is known."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = tuple(dict.fromkeys(s for s in stops if s))
-        self._held = ""
-        self._stopped = False
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string ended the text); after a stop: ("", True)."""
-        if self._stopped:
-            return "", True
-        text = self._held + text
-        cut = self._first_match(text)
-        if cut is not None:
-            self._stopped, self._held = True, ""
-            return text[:cut], True
-        keep = max((self._partial_length(text, stop) for stop in self._stops), default=0)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
-
-    def finish(self) -> str:
-        held, self._held = self._held, ""
-        return "" if self._stopped else held
-
-    def _first_match(self, text: str) -> int | None:
-        best = None  # (end, -length): earliest end, then longest
-        for stop in self._stops:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), -len(stop)) < best):
-                best = (start + len(stop), -len(stop))
-        return None if best is None else best[0] + best[1]
-
-    @staticmethod
-    def _partial_length(text: str, stop: str) -> int:
-        for length in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                return length
-        return 0
