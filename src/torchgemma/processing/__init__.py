@@ -1,4 +1,9 @@
-"""Image, audio and video preprocessing for Gemma 4, as pure functions matching transformers 5.23."""
+"""Image, audio and video preprocessing for Gemma 4, as pure functions matching transformers 5.23.
+
+``processor.py`` puts them behind one request path: ``Processor`` (a prompt or chat messages with
+their media in; one unpadded id sequence and its ``MediaInputs`` out). It is imported from its
+module, so that preprocessing alone does not load the tokenizer.
+"""
 
 from .audio import num_audio_tokens, process_audio
 from .image import ImageResizeTarget, image_resize_target, process_images
