@@ -674,8 +674,8 @@ def test_serve_command_starts_and_stops_cleanly(llm_checkpoint):  # noqa: F811
 def test_serve_without_the_extra_is_a_clear_error(monkeypatch, capsys, llm_checkpoint):  # noqa: F811
     from torchgemma import cli
     from torchgemma.cli import serve
-    monkeypatch.setattr(serve, "importable", lambda name: name != "fastapi")
 
+    monkeypatch.setattr(serve, "importable", lambda name: name != "fastapi")
     assert cli.main(["serve", "--model", str(llm_checkpoint)]) == 2
     assert "pip install 'torchgemma[serve]'" in capsys.readouterr().err
 
