@@ -356,12 +356,12 @@ def test_integer_activations_on_a_model(text_checkpoints):
         .mlp.up_proj.activation_bits
         == 8
     )
-    from torchgemma.cli import _quantized  # what --verbose says of the model
+    from torchgemma.cli.common import quantization_note  # what --verbose says of the model
 
-    assert _quantized(set_activations(auto, "int8")).startswith(
+    assert quantization_note(set_activations(auto, "int8")).startswith(
         " activations (int8 in prefill products), int8 weights"
     )
-    assert _quantized(set_activations(auto, None)).startswith(" activations, int8 weights")
+    assert quantization_note(set_activations(auto, None)).startswith(" activations, int8 weights")
     with pytest.raises(ValueError, match="needs a quantized model"):
         set_activations(torchgemma.load(folder, quantize=None), "int8")
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
