@@ -31,8 +31,9 @@ ISAS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
-# The kernel sources (one per operator family), each compiled once per set into namespace
-# torchgemma::<set>; registration.cpp (compiled once, with no set's flags) dispatches between them.
+# The kernel sources, one per operator family, each compiled once per set into namespace
+# torchgemma::<set> (together, as variant.cpp: one translation unit per set); registration.cpp
+# (compiled once, with no set's flags) dispatches between the sets.
 FAMILIES = ("qlinear", "int_products", "greedy_head", "norms_rope", "decode_attention")
 # -ffp-contract=off: no multiply-add is fused unless the source says so (dequantize computes
 # scale * q, then + min, as GGML does); the sets' bits are equal because their sums are the same
@@ -80,25 +81,24 @@ def build(output: Path, jobs: int = 2) -> float:
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="torchgemma-build-", dir=output.parent) as scratch:
         work = Path(scratch)
-        # registration.cpp first: it is linked first, so that the linker keeps its (baseline) copies
-        # of the inline code every object shares (ATen's, the standard library's).
-        commands = [
-            [cxx, *CFLAGS, *compile_flags, f'-DTG_DIGEST="{digest()}"', "-c", str(CSRC / "registration.cpp")]
-            + ["-o", str(work / "registration.o")]
+        objects = {name: work / f"{name}.o" for name in ("registration", *ISAS)}
+        commands = [  # the longest first (the widest set's), so that the two workers finish together
+            [cxx, *CFLAGS, *ISAS[isa], *compile_flags, f"-DTG_ISA={isa}", "-c", str(CSRC / "variant.cpp")]
+            + ["-o", str(objects[isa])]
+            for isa in reversed(ISAS)
         ]
-        for isa, flags in ISAS.items():
-            for family in FAMILIES:
-                commands.append(
-                    [cxx, *CFLAGS, *flags, *compile_flags, f"-DTG_ISA={isa}", "-c", str(CSRC / f"{family}.cpp")]
-                    + ["-o", str(work / f"{family}.{isa}.o")]
-                )
+        commands.append(
+            [cxx, *CFLAGS, *compile_flags, f'-DTG_DIGEST="{digest()}"', "-c", str(CSRC / "registration.cpp")]
+            + ["-o", str(objects["registration"])]
+        )
         with ThreadPoolExecutor(max(1, jobs)) as pool:
             for done in pool.map(_run, commands):
                 if done:
                     raise RuntimeError(done)
-        objects = [command[-1] for command in commands]
         partial = work / LIBRARY_NAME
-        failed = _run([cxx, "-shared", "-fopenmp", *objects, *link_flags, "-o", str(partial)])
+        # registration.o first: the linker keeps the first copy of the inline code every object shares
+        # (ATen's, the standard library's), and registration's is built for any CPU.
+        failed = _run([cxx, "-shared", "-fopenmp", *map(str, objects.values()), *link_flags, "-o", str(partial)])
         if failed:
             raise RuntimeError(failed)
         os.replace(partial, output)
