@@ -156,7 +156,10 @@ def test_cached_decoding_equals_full_forward(checkpoints, layout, backend):
         steps = [model(ids[:, :6], cache=cache)] + [
             model(ids[:, t : t + 1], cache=cache) for t in range(6, 20)
         ]
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=5e-5)
+    # float32: a 1-row product and a 20-row one round differently (MKL picks other kernels by row
+    # count); on an AVX2-only Zen 3, AltUp's extra products put one logit of ~5.5 at 5.15e-5 (9e-6
+    # relative). The same bound as test_multimodal's cached-vs-whole check.
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-4)
 
 
 def test_config_as_data(checkpoints):
