@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import kernels
+from ..kernels import ensure_kernels
 from ..model.attention import ATTENTION, AttentionInputs, sdpa_backend
 from ..model.layers import RMSNorm, apply_rope
 from ..model.text import Attention
@@ -42,7 +42,7 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (Attributes read directly: this runs ~110 times per decoded token.)
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or not kernels.ensure_kernels():
+        if x.dtype is not torch.float32 or x.device.type != "cpu" or not ensure_kernels():
             return super().forward(x)
         weight = self._parameters.get("weight")
         if weight is not None and weight.requires_grad and torch.is_grad_enabled():
@@ -62,7 +62,7 @@ def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         and x.device.type == "cpu"
         and x.dim() == 4
         and cos.shape == (x.shape[0], x.shape[1], x.shape[3])
-        and kernels.ensure_kernels()
+        and ensure_kernels()
     ):
         return _ROPE(x, cos, sin)
     return apply_rope(x, cos, sin)
@@ -85,7 +85,7 @@ def sdpa_with_decode_kernel(
         and query.dtype is torch.float32
         and key.dtype is torch.float32
         and query.device.type == "cpu"
-        and kernels.ensure_kernels()
+        and ensure_kernels()
     ):
         if inputs.key_slice is not None:
             key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
@@ -102,7 +102,7 @@ def fuse_cpu_ops(model: nn.Module) -> nn.Module:
     """Make the text decoder's RMSNorms, RoPE rotations and decode-step attention single C++ calls,
     in place (see the module docstring); returns the model. Where the C++ kernels cannot be built
     the model keeps the reference's operators (``torchgemma.kernels.kernel_status()`` says why)."""
-    kernels.ensure_kernels()  # built or loaded now rather than in the first forward
+    ensure_kernels()  # built or loaded now rather than in the first forward
     text = getattr(model, "language_model", model)
     for name, module in list(text.named_modules()):
         if type(module) is RMSNorm:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .. import kernels
+from ..kernels import _dequantize_reference, ensure_kernels, features_of, pack, packed_width
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
 # time (qlinear_dense): from here on it beats re-reading the integers row block by row block
@@ -74,7 +74,7 @@ class QuantizedWeight(nn.Module):
         self.format = fmt
         self.compute_dtype = dtype  # what forward returns (the model's dtype)
         groups = features // fmt.group_size
-        packed = kernels.packed_width(features, fmt.bits)
+        packed = packed_width(features, fmt.bits)
         sdtype = SCALE_DTYPES[fmt.scale_dtype]
         self.register_buffer(
             "qweight", torch.empty(rows, packed, dtype=torch.int8 if fmt.bits == 8 else torch.uint8)
@@ -84,7 +84,7 @@ class QuantizedWeight(nn.Module):
 
     @property
     def weight_shape(self) -> tuple[int, int]:
-        return (self.qweight.shape[0], kernels.features_of(self.qweight.shape[1], self.format.bits))
+        return (self.qweight.shape[0], features_of(self.qweight.shape[1], self.format.bits))
 
     def _apply(self, fn, recurse=True):
         # A dtype cast (model.to(torch.bfloat16)) changes what forward returns, never the stored
@@ -182,7 +182,7 @@ class QuantizedWeight(nn.Module):
             and x.dim() == 2
             and 0 < x.shape[0] < DENSE_ROWS
             and not torch.compiler.is_compiling()
-            and kernels.ensure_kernels()
+            and ensure_kernels()
         )
 
     def _norms(self) -> torch.Tensor:
@@ -206,7 +206,7 @@ class QuantizedWeight(nn.Module):
         f = self.format
         flat = index.reshape(-1)
         mins = None if self.mins is None else self.mins[flat]
-        values = kernels._dequantize_reference(
+        values = _dequantize_reference(
             self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size
         )
         return values.view(*index.shape, -1)
@@ -349,7 +349,7 @@ def quantize_rtn(
         qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
         device = weight.device
         out = (
-            torch.empty(n, kernels.packed_width(k, fmt.bits), dtype=qdtype, device=device),
+            torch.empty(n, packed_width(k, fmt.bits), dtype=qdtype, device=device),
             torch.empty(n, k // g, dtype=sdtype, device=device),
             torch.empty(n, k // g, dtype=sdtype, device=device) if fmt.has_mins else None,
         )
@@ -371,6 +371,6 @@ def quantize_rtn(
             scale = (w.abs().amax(-1) / 127).to(sdtype).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round(w / safe[..., None]).clamp_(-127, 127)
-        qweight[rows] = kernels.pack(q.view(-1, k), fmt.bits)
+        qweight[rows] = pack(q.view(-1, k), fmt.bits)
         scales[rows] = scale
     return qweight, scales, mins

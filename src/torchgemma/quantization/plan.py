@@ -43,7 +43,8 @@ class QuantizationPlan:
     loading); ``saved``: the checkpoint's own quantization record (saved by ``torchgemma.save``) or
     None; ``activations``: "int16", "int8" or None for the quantized products of 16 rows or more
     (``set_activations``); ``device``: where the model goes (quantized layers on the CPU get the
-    C++ kernels and the CPU fusions); ``gguf``: the GGUF checkpoint whose blocks mode "gguf" keeps.
+    C++ kernels and the CPU fusions); ``gguf``: the GGUF checkpoint whose blocks mode "gguf" keeps
+    (``weights.gguf.GGUFCheckpoint``).
     """
 
     mode: str | None = None

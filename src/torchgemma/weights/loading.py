@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from ..placement import offload_per_layer_table
 from ..quantization import QuantizationPlan, QuantizedWeight
 from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
 from .source import CheckpointError, auto_quantization, resolve_source
+
+if TYPE_CHECKING:
+    from .gguf import GGUFCheckpoint
 
 DTYPES = {
     "float32": torch.float32,
@@ -141,7 +145,7 @@ class _Checkpoint:
     # (key, load, shape, stored dtype name) of every tensor, loads giving the given dtype (GGUF) or
     # the stored one (safetensors: the model's tensors cast as they are filled).
     tensors: Callable[[torch.dtype], list[tuple]]
-    gguf: object = None  # a GGUF file's reader: its dequantized tensors are fresh memory, adopted uncopied
+    gguf: GGUFCheckpoint | None = None  # a GGUF file: its dequantized tensors are fresh memory, adopted
 
 
 def _open(path: Path, stack: ExitStack) -> _Checkpoint:
