@@ -11,6 +11,10 @@ from torchgemma.acceleration import decode_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# Tracing with dynamo costs seconds of CPU per model: the default run traces one case of each test
+# (the cheapest), the others run with -m slow.
+slow = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -21,7 +25,13 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize(
-    "style, backend", [("e2b", "sdpa"), ("26b", "sdpa"), ("31b", "sdpa"), ("e2b", "eager")]
+    "style, backend",
+    [
+        pytest.param("e2b", "sdpa", marks=slow),
+        pytest.param("26b", "sdpa", marks=slow),
+        ("31b", "sdpa"),
+        pytest.param("e2b", "eager", marks=slow),
+    ],
 )
 def test_decode_step_has_no_graph_breaks(text_checkpoints, style, backend):
     """E2B (PLE, KV sharing), 26B (MoE: the gathered expert path) and 31B (K=V): one graph, with
@@ -63,7 +73,7 @@ def run(engine: Engine, requests: dict[str, list[int]], joins: dict[str, int], n
     return out
 
 
-@pytest.mark.parametrize("style", ["e2b", "26b", "31b"])
+@pytest.mark.parametrize("style", [pytest.param("e2b", marks=slow), pytest.param("26b", marks=slow), "31b"])
 def test_compiled_engine_never_recompiles(gen_checkpoints, style):
     """Requests join and leave (occupancy 1 to 3 of 3 slots, slots reused): the step is traced once,
     and gives the eager engine's greedy tokens."""
@@ -132,8 +142,17 @@ def _requantized(model, fmt):
     return model
 
 
-@pytest.mark.parametrize("fmt", [None, (5, 32, True, "float16"), (8, 32, False, "float16")])
-@pytest.mark.parametrize("style", ["e2b", "26b"])
+@pytest.mark.parametrize(
+    "style, fmt",
+    [
+        pytest.param("e2b", None, marks=slow, id="e2b-None"),
+        pytest.param("e2b", (5, 32, True, "float16"), marks=slow, id="e2b-fmt1"),
+        pytest.param("e2b", (8, 32, False, "float16"), marks=slow, id="e2b-fmt2"),
+        pytest.param("26b", None, id="26b-None"),
+        pytest.param("26b", (5, 32, True, "float16"), marks=slow, id="26b-fmt1"),
+        pytest.param("26b", (8, 32, False, "float16"), marks=slow, id="26b-fmt2"),
+    ],
+)
 def test_quantized_decode_step_is_one_graph(text_checkpoints, style, fmt):
     """Quantized layers are torch.library operators with fake kernels: the static decode step of a
     quantized model (E2B: tables and PLE; 26B: expert stacks, gathered) still traces as one graph,
