@@ -276,6 +276,30 @@ def test_misshaped_tensors_are_found_before_allocating(text_checkpoints, tmp_pat
         torchgemma.load(folder)
 
 
+def test_every_auto_is_made_concrete_before_building(text_checkpoints, monkeypatch):
+    """load turns each default and "auto" (dtype, device, per_layer_table, quantize, activations) into
+    a concrete choice once; the model is built from those alone."""
+    from torchgemma.kernels import vnni_available
+    from torchgemma.weights import loading
+
+    built = []
+    real = loading._build
+
+    def spy(checkpoint, plan, dtype, device, attention, host_table, label):
+        built.append((plan, dtype, device, host_table))
+        return real(checkpoint, plan, dtype, device, attention, host_table, label)
+
+    monkeypatch.setattr(loading, "_build", spy)
+    folder = text_checkpoints["e2b"]
+    torchgemma.load(folder)
+    torchgemma.load(folder, quantize="int8", dtype="bf16")
+    (plain, dtype, device, host_table), (int8, int8_dtype, *_) = built
+    assert (plain.mode, plain.saved, plain.activations) == (None, None, None)
+    assert (dtype, device, host_table) == (torch.float32, torch.device("cpu"), False)
+    assert (int8.mode, int8_dtype) == ("int8", torch.bfloat16)
+    assert int8.activations == ("int16" if vnni_available() else None)
+
+
 # ── float16: Gemma's activations overflow it ──────────────────────────────────────────────────────
 
 
