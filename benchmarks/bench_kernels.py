@@ -16,7 +16,7 @@ Shapes: the tied LM head (262144 x 640, 63% of the file's bytes) and the MLP's u
 (2048 x 640). Reports the median time of interleaved repetitions, the bytes each reads and the
 bandwidth that makes; prints the load average and thread count. Not a test.
 
-    python benchmarks/bench_kernels.py [--threads 1] [--repeats 30]
+    python benchmarks/bench_kernels.py [--threads 1] [--repeats 30] [--isa portable|avx2|avx512]
 """
 
 from __future__ import annotations
@@ -102,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--isa", choices=kernels.ISAS, help="the C++ kernels' instruction set (default: the widest the CPU has)"
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
     ensure_kernels()
+    if args.isa:
+        kernels.set_isa(args.isa)
     results = {}
     for shape_name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:45} {row['ms']:9.3f} {row['bytes'] / 1e6:9.1f} {row['bytes'] / row['ms'] / 1e6:7.1f}"
             )
-    print(json.dumps({"benchmark": "kernels", "threads": args.threads, "results": results}))
+    print(json.dumps({"benchmark": "kernels", "threads": args.threads, "isa": kernels.isa(), "results": results}))
     return 0
 
 
