@@ -355,7 +355,8 @@ def test_server_chat_and_transcription_with_audio(llm_folder):
     import openai
 
     from serving_fixtures import content_of, running_server
-    from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
+    from torchgemma.serving.app import create_app
+    from torchgemma.serving.audio import TRANSCRIBE_PROMPT
 
     llm = torchgemma.LLM(llm_folder, progress=False)
     samples = (clips([9000], seed=17)[0].clip(-1, 1) * 32767).astype("<i2")

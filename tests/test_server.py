@@ -30,7 +30,8 @@ from llm_fixtures import build_media_llm_checkpoint
 from serving_fixtures import ScriptedEngine, content_of, running_server
 from torchgemma.generation.constraints import JSONPrefix
 from torchgemma.llm import LLM
-from torchgemma.serving.app import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS, create_app
+from torchgemma.serving.app import create_app
+from torchgemma.serving.audio import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -276,7 +276,8 @@ def test_server_takes_images_and_audio(checkpoint):
     import openai
 
     from serving_fixtures import content_of, running_server
-    from torchgemma.serving.app import TRANSCRIBE_PROMPT, create_app
+    from torchgemma.serving.app import create_app
+    from torchgemma.serving.audio import TRANSCRIBE_PROMPT
 
     llm = load_llm(checkpoint)
     png = io.BytesIO()

@@ -1,11 +1,23 @@
 """``torchgemma serve``: an OpenAI-compatible HTTP server with continuous batching.
 
-    app.py        the endpoints (FastAPI): chat and text completions, transcription, models, metrics
-    runner.py     the engine on its own thread, fed by the handlers
-    parsing.py    Gemma 4's reply format (thinking, tool calls) -> OpenAI's fields, whole or streamed
-    protocol.py   OpenAI's request shapes (pydantic)
-    metrics.py    Prometheus metrics
-    static/       the chat page served at /
+    app.py          create_app: the state, the route table, authentication, errors in OpenAI's shape
+    state.py        ServerState: the model, engine runner, metrics and limits every handler reads
+    chat.py         POST /v1/chat/completions (messages -> the chat template's; tools; thinking)
+    completions.py  POST /v1/completions (a raw prompt)
+    audio.py        POST /v1/audio/transcriptions
+    embeddings.py   POST /v1/embeddings
+    streaming.py    prepared request -> deltas (decoder, reply parser, stop strings) -> SSE or whole
+    sampling.py     sampling fields -> the engine's arguments, checked against the limits
+    media.py        images and audio sent by clients, decoded
+    errors.py       APIError: errors in OpenAI's shape
+    runner.py       the engine on its own thread, fed by the handlers
+    parsing.py      Gemma 4's reply format (thinking, tool calls) -> OpenAI's fields, whole or streamed
+    protocol.py     OpenAI's request shapes (pydantic)
+    metrics.py      Prometheus metrics
+    static/         the chat page served at /
+
+Each endpoint's handler is a plain async function of the state and the request body
+(``await chat.create_chat_completion(state, body)``), callable without a socket.
 
 Needs the ``serve`` extra (``pip install -e ".[serve]"``): FastAPI, uvicorn, prometheus_client,
 python-multipart.

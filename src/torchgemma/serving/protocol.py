@@ -1,7 +1,8 @@
 """OpenAI's request shapes, as pydantic models: what the server accepts, checked before any work.
 
 Unknown fields are ignored (clients send vendor extras); known fields of the wrong type are a 400
-naming the field. Fields we accept but cannot honour are refused in ``app.py`` with the reason.
+naming the field. Fields we accept but cannot honour are refused by the handlers with the reason
+(``sampling.refuse_unsupported``).
 """
 
 from __future__ import annotations

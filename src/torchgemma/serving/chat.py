@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: messages (text, images, audio), tools, thinking, streaming.
+
+OpenAI's messages become the chat template's (media decoded, tool calls with dict arguments, tool
+results named after their call), the template renders them with the client's strings kept as text,
+and the reply goes through ``streaming``'s pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..generation.constraints import JSONObject
+from .errors import bad_request
+from .media import decode_audio, decode_image
+from .protocol import ChatCompletionRequest, ContentPart, Message
+from .sampling import refuse_unsupported, sampling_args, stop_list
+from .state import ServerState
+from .streaming import Outcome, Prepared, collect, stream_response, whole_reply
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, request: Request | None = None
+) -> dict | StreamingResponse:
+    """The reply as a chat.completion object, or as a stream of chunks when ``body.stream``.
+    ``request``, when given, is watched for the client going away."""
+    state.check_model(body.model)
+    prepared = prepare_chat(state, body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(state, request, prepared, chat=True, include_usage=include_usage)
+    outcome = await collect(state, request, prepared, "chat")
+    return chat_response(state, outcome, prepared)
+
+
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
+    """Check the request and render its prompt: the ids, media tensors and sampling settings."""
+    refuse_unsupported(body)
+    tokenizer = state.tokenizer
+    if tokenizer.chat_template is None:
+        raise bad_request(
+            "this checkpoint has no chat template (a base model): use /v1/completions with a raw prompt",
+            "messages",
+        )
+    thinking = bool(body.chat_template_kwargs and body.chat_template_kwargs.enable_thinking)
+    if body.reasoning_effort is not None:
+        thinking = body.reasoning_effort != "none"
+    json_object = body.response_format is not None and body.response_format.type == "json_object"
+    if json_object:
+        thinking = False  # the JSON constraint starts at the first generated token
+    tools, prefix = tool_choice(body)
+    messages, images, audio = template_messages(body.messages)
+    processor = state.llm.processor
+    try:
+        # Clients are untrusted: control tokens typed in any message, tool or result stay text.
+        ids = processor.render_chat(
+            messages,
+            enable_thinking=thinking,
+            tools=tools,
+            sanitize_control_tokens=True,
+            reply_prefix=prefix,
+            audio=audio,
+        )
+    except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
+        raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error
+    # (After the template: placeholders are expanded here and the limit checked on the result.)
+    try:
+        processed = processor.process(ids, images, audio)
+    except (ValueError, OSError) as error:
+        raise bad_request(str(error), "messages") from error
+    ids = processed.input_ids
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    engine_args = sampling_args(state, body, len(ids), max_tokens, state.chat_stops)
+    if processed.media:
+        engine_args["media"] = processed.media
+    if json_object:
+        if prefix:
+            raise bad_request("a JSON object reply cannot also be a forced tool call", "response_format")
+        # Every token must keep the reply a valid prefix of a JSON object (generation/constraints.py).
+        engine_args["constraint"] = JSONObject(tokenizer.token_bytes, state.chat_stops)
+    if body.logprobs:
+        engine_args["logprobs"] = body.top_logprobs or 0
+    return Prepared(
+        ids, engine_args, stop_list(body.stop), tools=tools is not None, prefix=prefix, logprobs=body.logprobs
+    )
+
+
+def tool_choice(body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
+    """The tools the template declares (None when tool_choice is "none") and the text forced at the
+    start of the reply ("required": some call; a named function: that one)."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
+    for tool in tools:
+        # A name is written into the prompt as it is (and forced after `call:`): no room for
+        # control tokens or delimiters. OpenAI's rule, plus '.', which Gemma's parser accepts.
+        if not TOOL_NAME.fullmatch(tool["name"]):
+            raise bad_request(
+                f"tool name {tool['name']!r} must be 1-64 letters, digits, '_', '-' or '.'", "tools"
+            )
+    if choice != "none" and not tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
+    prefix = ""
+    if choice == "required":
+        prefix = "<|tool_call>call:"
+    elif not isinstance(choice, str):
+        name = choice.function.get("name", "")
+        if name not in {tool["name"] for tool in tools}:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        prefix = f"<|tool_call>call:{name}{{"
+    return (tools if choice != "none" else None), prefix
+
+
+def template_messages(messages: Sequence[Message]) -> tuple[list[dict], list, list]:
+    """OpenAI messages -> the template's: content items with decoded media, tool calls with dict
+    arguments, tool results named after the call they answer. Also the images and audio, in order."""
+    call_names: dict[str, str] = {}
+    out, images, audio = [], [], []
+    for index, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role}
+        if isinstance(message.content, list):
+            entry["content"] = content_items(message.content, f"messages.{index}.content", images, audio)
+        else:
+            entry["content"] = message.content or ""
+        if message.tool_calls:
+            calls = []
+            for call in message.tool_calls:
+                arguments = call.function.arguments
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments or "{}")
+                    except json.JSONDecodeError as error:
+                        raise bad_request(
+                            f"tool call arguments are not JSON: {error}", f"messages.{index}.tool_calls"
+                        ) from error
+                if call.id:
+                    call_names[call.id] = call.function.name
+                calls.append(
+                    {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+                )
+            entry["tool_calls"] = calls
+        if message.role == "tool":
+            entry["name"] = message.name or call_names.get(message.tool_call_id or "", "tool")
+            content = entry["content"]
+            if isinstance(content, list):
+                entry["content"] = "".join(item.get("text", "") for item in content)
+        out.append(entry)
+    return out, images, audio
+
+
+def content_items(parts: Sequence[ContentPart], where: str, images: list, audio: list) -> list[dict]:
+    """One message's content parts as the template's items; decoded media also go to ``images`` and
+    ``audio``."""
+    items = []
+    for part_index, part in enumerate(parts):
+        at = f"{where}.{part_index}"
+        if part.type == "text":
+            items.append({"type": "text", "text": part.text or ""})
+        elif part.type == "image_url" and part.image_url is not None:
+            image = decode_image(part.image_url.url, at)
+            images.append(image)
+            items.append({"type": "image", "image": image})
+        elif part.type == "input_audio" and part.input_audio is not None:
+            clip = decode_audio(part.input_audio.data, part.input_audio.format, at)
+            audio.append(clip)
+            items.append({"type": "audio", "audio": clip})
+        else:
+            raise bad_request(f"unsupported content part of type {part.type!r}", at)
+    return items
+
+
+def chat_response(state: ServerState, outcome: Outcome, prepared: Prepared) -> dict:
+    content = "".join(outcome.content) or None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if outcome.reasoning:
+        message["reasoning_content"] = "".join(outcome.reasoning)
+    if outcome.tool_calls:
+        message["tool_calls"] = [
+            {k: v for k, v in call.items() if k != "index"} for call in outcome.tool_calls
+        ]
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": outcome.logprobs} if prepared.logprobs else None,
+        "finish_reason": outcome.finish_reason,
+    }
+    return whole_reply(state, "chatcmpl", "chat.completion", choice, prepared, outcome.tokens)

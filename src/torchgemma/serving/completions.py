@@ -1,0 +1,57 @@
+"""POST /v1/completions: a raw prompt (text or token ids) continued; no chat template, no reply parsing."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .errors import bad_request
+from .protocol import CompletionRequest
+from .sampling import refuse_unsupported, sampling_args, stop_list
+from .state import ServerState
+from .streaming import Outcome, Prepared, collect, completion_logprobs, stream_response, whole_reply
+
+
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request | None = None
+) -> dict | StreamingResponse:
+    """The reply as a text_completion object, or as a stream of them when ``body.stream``.
+    ``request``, when given, is watched for the client going away."""
+    state.check_model(body.model)
+    prepared = prepare_completion(state, body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(state, request, prepared, chat=False, include_usage=include_usage)
+    outcome = await collect(state, request, prepared, "completion")
+    return completion_response(state, outcome, prepared)
+
+
+def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+    refuse_unsupported(body)
+    if isinstance(body.prompt, str):
+        ids = state.llm.encode(body.prompt)  # <bos> first, as a raw prompt to LLM.generate
+    else:
+        ids = list(body.prompt)
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    vocab = state.llm.model.config.text.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"prompt token {bad} is outside the vocabulary [0, {vocab})", "prompt")
+    engine_args = sampling_args(state, body, len(ids), body.max_tokens, None)
+    if body.logprobs is not None:
+        engine_args["logprobs"] = body.logprobs
+    prepared = Prepared(ids, engine_args, stop_list(body.stop), logprobs=body.logprobs is not None, raw=True)
+    if body.echo:
+        prepared.echo = body.prompt if isinstance(body.prompt, str) else state.tokenizer.decode(ids)
+    return prepared
+
+
+def completion_response(state: ServerState, outcome: Outcome, prepared: Prepared) -> dict:
+    choice = {
+        "index": 0,
+        "text": prepared.echo + "".join(outcome.content),
+        "logprobs": completion_logprobs(outcome.logprobs) if prepared.logprobs else None,
+        "finish_reason": outcome.finish_reason,
+    }
+    return whole_reply(state, "cmpl", "text_completion", choice, prepared, outcome.tokens)

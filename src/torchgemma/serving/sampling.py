@@ -1,0 +1,71 @@
+"""OpenAI's sampling fields -> ``Engine.add_request``'s arguments, checked against the server's limits.
+
+Shared by chat and text completions and transcription: a field we cannot honour, a prompt that
+leaves no room for a reply, or settings the sampler refuses are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import bad_request
+from .state import ServerState
+
+
+def sampling_args(
+    state: ServerState, body, prompt_len: int, max_tokens: int | None, stop_ids
+) -> dict[str, Any]:
+    """``body``'s sampling fields (temperature, top_k, top_p, min_p, repetition_penalty, seed) as
+    one ``SamplingParams`` (the checkpoint's defaults for those unset), the reply's length and stop
+    ids, as the engine takes them; counts the prompt's tokens once accepted."""
+    room = state.context_limit - prompt_len
+    if room <= 0:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; this server's limit is {state.max_len} tokens of prompt "
+            "and reply together",
+            "messages",
+            "context_length_exceeded",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the limit is "
+            f"{state.max_len}, so at most {room} can be generated",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    try:
+        sampling = state.llm.generation_config.sampling(
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from error
+    state.metrics.prompt_tokens.inc(prompt_len)
+    return {"sampling": sampling, "max_new_tokens": max_tokens or room, "stop_token_ids": stop_ids}
+
+
+def refuse_unsupported(body) -> None:
+    """Fields of chat and text completions that we accept but cannot honour: a 400 with the reason."""
+    if body.n not in (None, 1):
+        raise bad_request("n > 1 is not supported: send n separate requests", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported; use repetition_penalty", name)
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type == "json_schema":
+        raise bad_request(
+            "response_format json_schema is not enforced here; use json_object", "response_format"
+        )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise bad_request("at most 16 stop strings", "stop")
+    return [s for s in stops if s]

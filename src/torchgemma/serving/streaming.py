@@ -1,0 +1,325 @@
+"""From a prepared request to OpenAI's reply, streamed or whole: shared by chat and text completions.
+
+A request's tokens become text through its own stream decoder, then Gemma's reply format becomes
+OpenAI's fields (``parsing.ReplyStream``: content, reasoning_content, tool_calls), then user stop
+strings cut the content (``parsing.StopStrings``). Streaming and non-streaming responses run the same
+pipeline (``generate``); a non-streaming response is the streamed deltas joined (``collect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .errors import APIError
+from .parsing import Delta, ReplyStream, StopStrings
+from .runner import Busy, Token
+from .state import ServerState
+
+
+@dataclass
+class Prepared:
+    """A request, checked and turned into what the engine takes."""
+
+    input_ids: list[int]
+    engine_args: dict[str, Any]
+    stops: list[str]
+    tools: bool = False
+    # Text forced at the start of the reply (tool_choice), fed to the parser before any token.
+    prefix: str = ""
+    logprobs: bool = False
+    # Raw text (completions): no reply parsing, special tokens kept as the model wrote them.
+    raw: bool = False
+    # completions with echo: the prompt's text, given back before the completion.
+    echo: str = ""
+
+
+@dataclass
+class Outcome:
+    """What a finished generation produced, accumulated from its deltas."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str = "stop"
+
+
+class RawText:
+    """The parser's interface for raw completions: every piece is content, as decoded."""
+
+    stopped = False
+
+    def push(self, piece: str) -> list[Delta]:
+        return [Delta("content", piece)] if piece else []
+
+    def finish(self) -> list[Delta]:
+        return []
+
+
+# ── the token-to-delta loop ─────────────────────────────────────────────────────────────────
+
+
+async def generate(
+    state: ServerState, request: Request | None, prepared: Prepared
+) -> AsyncIterator[tuple[str, Any]]:
+    """("content" | "reasoning", text), ("tool_call", OpenAI dict), ("logprob", entry), and last
+    ("finish", (finish_reason, completion tokens)). ``request``, when given, is watched for the
+    client going away."""
+    runner = state.runner
+    try:
+        request_id, tokens = runner.submit(prepared.input_ids, **prepared.engine_args)
+    except Busy as error:
+        raise APIError(503, f"the server is busy: {error}; retry shortly") from error
+    decoder = state.tokenizer.stream_decoder()
+    parser = RawText() if prepared.raw else ReplyStream(tools=prepared.tools)
+    stops = StopStrings(prepared.stops)
+    count, reason, done = 0, "stop", False
+    tool_calls = 0
+
+    def convert(deltas) -> list[tuple[str, Any]]:
+        nonlocal done, tool_calls
+        events = []
+        for delta in deltas:
+            if delta.kind == "tool_call":
+                tool_calls += 1
+                events.append(("tool_call", tool_call_dict(delta.index, delta.tool_call)))
+            elif delta.kind == "reasoning":
+                events.append(("reasoning", delta.text))
+            elif not done:
+                text, stopped = stops.push(delta.text)
+                if text:
+                    events.append(("content", text))
+                done = done or stopped
+        return events
+
+    try:
+        for event in convert(parser.push(prepared.prefix)) if prepared.prefix else []:
+            yield event
+        while True:
+            token = await next_token(state, request, tokens, request_id)
+            if token is None:
+                break
+            if isinstance(token, Exception):
+                raise APIError(400 if isinstance(token, ValueError) else 500, str(token))
+            count += 1
+            if prepared.logprobs and token.logprobs is not None:
+                yield "logprob", logprob_entry(state, token)
+            piece = "" if token.finished and token.finish_reason == "stop" else decoder.push(token.token_id)
+            for event in convert(parser.push(piece)):
+                yield event
+            if token.finished:
+                reason = token.finish_reason or "stop"
+                break
+            if done or parser.stopped:
+                runner.abort(request_id)
+                reason = "stop"
+                break
+        tail = "" if done else decoder.flush()
+        for event in convert(parser.push(tail) + parser.finish()):
+            yield event
+        if not done:
+            text = stops.finish()
+            if text:
+                yield "content", text
+        yield "finish", ("tool_calls" if tool_calls else reason, count)
+    except (asyncio.CancelledError, GeneratorExit):
+        runner.abort(request_id)
+        raise
+
+
+async def next_token(
+    state: ServerState, request: Request | None, tokens: asyncio.Queue, request_id
+) -> Token | Exception | None:
+    # Poll for a disconnected client while waiting: its slot must be freed at once.
+    while True:
+        try:
+            return await asyncio.wait_for(tokens.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                state.runner.abort(request_id)
+                raise asyncio.CancelledError from None
+
+
+def logprob_entry(state: ServerState, token: Token) -> dict:
+    lp = token.logprobs
+
+    def described(token_id: int, logprob: float) -> dict:
+        text = state.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {**described(lp.token_id, lp.logprob), "top_logprobs": [described(t, v) for t, v in lp.top]}
+
+
+def tool_call_dict(index: int, call) -> dict:
+    return {
+        "index": index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json()},
+    }
+
+
+def completion_logprobs(entries: list[dict]) -> dict:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }
+
+
+# ── whole replies ───────────────────────────────────────────────────────────────────────────
+
+
+async def collect(state: ServerState, request: Request | None, prepared: Prepared, endpoint: str) -> Outcome:
+    outcome = Outcome()
+    async for kind, value in generate(state, request, prepared):
+        if kind == "content":
+            outcome.content.append(value)
+        elif kind == "reasoning":
+            outcome.reasoning.append(value)
+        elif kind == "tool_call":
+            outcome.tool_calls.append(value)
+        elif kind == "logprob":
+            outcome.logprobs.append(value)
+        elif kind == "finish":
+            outcome.finish_reason, outcome.tokens = value
+    state.metrics.requests.labels(endpoint, outcome.finish_reason).inc()
+    return outcome
+
+
+def whole_reply(
+    state: ServerState, prefix: str, kind: str, choice: dict, prepared: Prepared, tokens: int
+) -> dict:
+    """A non-streamed reply: one choice, with the id, model, fingerprint and usage around it."""
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": state.model_name,
+        "system_fingerprint": state.fingerprint,
+        "choices": [choice],
+        "usage": usage(prepared, tokens),
+    }
+
+
+def usage(prepared: Prepared, tokens: int) -> dict:
+    prompt = len(prepared.input_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+
+
+# ── server-sent events ──────────────────────────────────────────────────────────────────────
+
+
+async def stream_response(
+    state: ServerState, request: Request | None, prepared: Prepared, *, chat: bool, include_usage: bool
+) -> StreamingResponse:
+    """The reply as server-sent events; errors before the first token are raised, not streamed."""
+    events = stream_chunks(state, request, prepared, chat=chat, include_usage=include_usage)
+    first = await anext(events)
+    return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
+
+
+class ChunkWriter:
+    """One response's ``data:`` lines: chat.completion.chunk or text_completion objects."""
+
+    def __init__(self, state: ServerState, chat: bool):
+        self.state, self.chat = state, chat
+        self.ident = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def __call__(
+        self, delta: dict | None = None, finish: str | None = None, logprobs=None, choices=True
+    ) -> str:
+        body: dict[str, Any] = {
+            "id": self.ident,
+            "object": self.kind,
+            "created": int(time.time()),
+            "model": self.state.model_name,
+            "system_fingerprint": self.state.fingerprint,
+        }
+        if choices:
+            if self.chat:
+                choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": (delta or {}).get("content", ""),
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+            body["choices"] = [choice]
+        else:
+            body["choices"] = []
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream_chunks(
+    state: ServerState, request: Request | None, prepared: Prepared, *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per delta, the finish chunk, the usage chunk, [DONE]."""
+    chunk = ChunkWriter(state, chat)
+    events = generate(state, request, prepared)
+    # Start generating before the response begins, so that a refused request is a plain error.
+    first = await anext(events)
+    yield chunk({"role": "assistant", "content": ""}) if chat else chunk({"content": prepared.echo})
+    pending = [first]
+    outcome_tokens, finish = 0, "stop"
+    endpoint = "chat" if chat else "completion"
+    try:
+        async for event in _chain(pending, events):
+            name, value = event
+            if name == "content":
+                yield chunk({"content": value})
+            elif name == "reasoning":
+                yield chunk({"reasoning_content": value})
+            elif name == "tool_call":
+                yield chunk({"tool_calls": [value]})
+            elif name == "logprob":
+                yield chunk({}, logprobs={"content": [value]} if chat else completion_logprobs([value]))
+            elif name == "finish":
+                finish, outcome_tokens = value
+    except APIError as error:
+        # The response has begun: the error goes in the stream, as OpenAI's API sends it.
+        state.metrics.requests.labels(endpoint, "error").inc()
+        body = {
+            "error": {
+                "message": error.message,
+                "type": "server_error",
+                "param": error.param,
+                "code": error.code,
+            }
+        }
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    state.metrics.requests.labels(endpoint, finish).inc()
+    yield chunk({}, finish)
+    if include_usage:
+        body = json.loads(chunk(choices=False)[len("data: ") :])
+        body["usage"] = usage(prepared, outcome_tokens)
+        yield f"data: {json.dumps(body)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    if first:
+        yield first
+    async for item in rest:
+        yield item
+
+
+async def _chain(pending: list, rest: AsyncIterator):
+    for item in pending:
+        yield item
+    async for item in rest:
+        yield item
