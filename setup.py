@@ -35,12 +35,15 @@ class BuildKernels(build_ext):
     def build_extension(self, ext: Extension) -> None:
         build = _kernel_build()
         target = Path(self.get_ext_fullpath(ext.name))
-        print("torchgemma: compiling the C++ CPU kernels (portable, AVX2 and AVX-512 variants)...", file=sys.stderr)
+        print("torchgemma: compiling the C++ CPU kernels (portable, AVX2, AVX-512)...", file=sys.stderr)
         try:
             seconds = build.build(target, jobs=2)
         except RuntimeError as err:  # no compiler, or it failed: install anyway, the references run
-            print(f"torchgemma: the C++ kernels were not built ({err}); the package will try again at "
-                  "first use, and otherwise run the pure-PyTorch references", file=sys.stderr)
+            print(
+                f"torchgemma: the C++ kernels were not built ({err}); the package will try again at first "
+                "use, and otherwise run the pure-PyTorch references",
+                file=sys.stderr,
+            )
             return
         print(f"torchgemma: built {target} in {seconds:.0f} s", file=sys.stderr)
 
@@ -49,9 +52,12 @@ def _extensions() -> list[Extension]:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("torchgemma: torch is not importable in this build environment (an isolated build?): the C++ "
-              "kernels will be built at first use instead (install torch first, then "
-              "`pip install --no-build-isolation .`, to build them now)", file=sys.stderr)
+        print(
+            "torchgemma: torch is not importable in this build environment (an isolated build?): the C++ "
+            "kernels will be built at first use instead (install torch first, then "
+            "`pip install --no-build-isolation .`, to build them now)",
+            file=sys.stderr,
+        )
         return []
     return [Extension("torchgemma.kernels._C", sources=[])]
 

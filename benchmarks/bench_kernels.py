@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument(
-        "--isa", choices=kernels.ISAS, help="the C++ kernels' instruction set (default: the widest the CPU has)"
+        "--isa", choices=kernels.ISAS, help="the C++ kernels' instruction set (default: the widest it has)"
     )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:45} {row['ms']:9.3f} {row['bytes'] / 1e6:9.1f} {row['bytes'] / row['ms'] / 1e6:7.1f}"
             )
-    print(json.dumps({"benchmark": "kernels", "threads": args.threads, "isa": kernels.isa(), "results": results}))
+    record = {"benchmark": "kernels", "threads": args.threads, "isa": kernels.isa(), "results": results}
+    print(json.dumps(record))
     return 0
 
 

@@ -64,9 +64,10 @@ def samples(name: str) -> list[tuple]:
             q, scales, offsets = _weight(bits, group, mins, dtype)
             norms = OPS["row_norms"].reference(q, scales, bits, group)
             x = torch.randn(3, 128, generator=gen)
-            out.append(
-                (q, scales, bits, group) if name == "row_norms" else (x, q, scales, offsets, bits, group, norms)
-            )
+            if name == "row_norms":
+                out.append((q, scales, bits, group))
+            else:
+                out.append((x, q, scales, offsets, bits, group, norms))
     elif name == "bounded_candidates":
         approx = torch.randn(3, 50, generator=gen)
         out.append((approx, torch.rand(3, 50, generator=gen) * 0.5))

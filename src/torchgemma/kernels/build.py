@@ -98,7 +98,8 @@ def build(output: Path, jobs: int = 2) -> float:
         partial = work / LIBRARY_NAME
         # registration.o first: the linker keeps the first copy of the inline code every object shares
         # (ATen's, the standard library's), and registration's is built for any CPU.
-        failed = _run([cxx, "-shared", "-fopenmp", *map(str, objects.values()), *link_flags, "-o", str(partial)])
+        link = [cxx, "-shared", "-fopenmp", *map(str, objects.values()), *link_flags, "-o", str(partial)]
+        failed = _run(link)
         if failed:
             raise RuntimeError(failed)
         os.replace(partial, output)

@@ -264,7 +264,9 @@ def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
     b, h, _, d = q.shape
     kv_heads = k.shape[1]
     if h % kv_heads or k.shape != v.shape or q.shape[2] != 1:
-        raise ValueError(f"decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got {q.shape}, {k.shape}")
+        raise ValueError(
+            f"decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got {q.shape}, {k.shape}"
+        )
     query = q.reshape(b, kv_heads, h // kv_heads, d)  # each KV head's group of query heads
     scores = query @ k.transpose(-1, -2) * scale  # (B, Hkv, G, S)
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
@@ -303,7 +305,8 @@ def _row_norms_fake(qweight, scales, bits, group_size):
 
 def _bounded_candidates_fake(approx, bound):
     picked = torch.library.get_ctx().new_dynamic_size()  # how many rows are kept depends on the values
-    return approx.new_empty((picked,), dtype=torch.int64), approx.new_empty((approx.shape[0],), dtype=torch.int64)
+    counts = approx.new_empty((approx.shape[0],), dtype=torch.int64)
+    return approx.new_empty((picked,), dtype=torch.int64), counts
 
 
 def _rms_norm_fake(x, weight, eps, plus_one):
@@ -368,7 +371,9 @@ OPERATORS: tuple[Operator, ...] = (
     ),
     # RMSNorm in one call (float32): what a quantized model's norms run (FusedRMSNorm).
     Operator(
-        "rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor", _rms_norm_fake, _rms_norm_reference
+        "rms_norm(Tensor x, Tensor? weight, float eps, bool plus_one) -> Tensor",
+        _rms_norm_fake,
+        _rms_norm_reference,
     ),
     # RoPE in one call (float32), the bits of layers.apply_rope (fused_rope).
     Operator("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope_fake, _rope_reference),
