@@ -100,7 +100,7 @@ class ScriptedEngine:
 
 def content_of(llm, token_ids) -> str:
     """What the server answers for these generated tokens: the reply's content, specials left out."""
-    from torchgemma.serving.parsing import parse_reply
+    from torchgemma.replies import parse_reply
 
     stops = set(llm.generation_config.eos_token_ids) | {llm.tokenizer.turn_end_id}
     ids = [t for t in token_ids if t not in stops]

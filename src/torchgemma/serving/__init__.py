@@ -6,16 +6,17 @@
     completions.py  POST /v1/completions (a raw prompt)
     audio.py        POST /v1/audio/transcriptions
     embeddings.py   POST /v1/embeddings
-    streaming.py    prepared request -> deltas (decoder, reply parser, stop strings) -> SSE or whole
+    streaming.py    prepared request -> deltas (decoder, torchgemma.replies, stop strings) -> SSE or whole
     sampling.py     sampling fields -> the engine's arguments, checked against the limits
     media.py        images and audio sent by clients, decoded
     errors.py       APIError: errors in OpenAI's shape
     runner.py       the engine on its own thread, fed by the handlers
-    parsing.py      Gemma 4's reply format (thinking, tool calls) -> OpenAI's fields, whole or streamed
     protocol.py     OpenAI's request shapes (pydantic)
     metrics.py      Prometheus metrics
     static/         the chat page served at /
 
+Requests go in through the checkpoint's processor (``llm.processor``) and replies come out through
+the reply grammar (``torchgemma.replies``), as for ``LLM``.
 Each endpoint's handler is a plain async function of the state and the request body
 (``await chat.create_chat_completion(state, body)``), callable without a socket.
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..generation.constraints import JSONObject
+from ..replies import forced_call_prefix, template_tool_call
 from .errors import bad_request
 from .media import decode_audio, decode_image
 from .protocol import ChatCompletionRequest, ContentPart, Message
@@ -108,12 +109,12 @@ def tool_choice(body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
         raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
     prefix = ""
     if choice == "required":
-        prefix = "<|tool_call>call:"
+        prefix = forced_call_prefix()
     elif not isinstance(choice, str):
         name = choice.function.get("name", "")
         if name not in {tool["name"] for tool in tools}:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        prefix = f"<|tool_call>call:{name}{{"
+        prefix = forced_call_prefix(name)
     return (tools if choice != "none" else None), prefix
 
 
@@ -141,9 +142,7 @@ def template_messages(messages: Sequence[Message]) -> tuple[list[dict], list, li
                         ) from error
                 if call.id:
                     call_names[call.id] = call.function.name
-                calls.append(
-                    {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-                )
+                calls.append(template_tool_call(call.function.name, arguments))
             entry["tool_calls"] = calls
         if message.role == "tool":
             entry["name"] = message.name or call_names.get(message.tool_call_id or "", "tool")

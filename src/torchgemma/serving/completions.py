@@ -29,7 +29,7 @@ async def create_completion(
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     refuse_unsupported(body)
     if isinstance(body.prompt, str):
-        ids = state.llm.encode(body.prompt)  # <bos> first, as a raw prompt to LLM.generate
+        ids = state.llm.processor.encode(body.prompt)  # <bos> first, as LLM.generate encodes it
     else:
         ids = list(body.prompt)
     if not ids:

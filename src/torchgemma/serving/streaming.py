@@ -1,8 +1,8 @@
 """From a prepared request to OpenAI's reply, streamed or whole: shared by chat and text completions.
 
 A request's tokens become text through its own stream decoder, then Gemma's reply format becomes
-OpenAI's fields (``parsing.ReplyStream``: content, reasoning_content, tool_calls), then user stop
-strings cut the content (``parsing.StopStrings``). Streaming and non-streaming responses run the same
+OpenAI's fields (``replies.ReplyStream``: content, reasoning_content, tool_calls), then user stop
+strings cut the content (``replies.StopStrings``). Streaming and non-streaming responses run the same
 pipeline (``generate``); a non-streaming response is the streamed deltas joined (``collect``).
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ..replies import Delta, ReplyStream, StopStrings
 from .errors import APIError
-from .parsing import Delta, ReplyStream, StopStrings
 from .runner import Busy, Token
 from .state import ServerState
 
