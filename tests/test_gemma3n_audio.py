@@ -258,7 +258,7 @@ def test_llm_raw_prompt_inputs_equal_the_processor(llm_folder):
     processor = reference_processor(llm_folder)
     waves = clips([7000, 12000], seed=12)
     prompt = "<bos>First\n<|audio|> then<|audio|>\nsecond"
-    ours = llm.inputs([llm._encode_prompt(prompt, waves)], audio=waves)
+    ours = llm.inputs([llm.encode(prompt, waves)], audio=waves)
     theirs = processor(text=[prompt], audio=waves, return_tensors="pt")
     assert ours["input_ids"].tolist() == theirs["input_ids"].tolist()
     assert torch.equal(ours["input_features"], theirs["input_features"])
@@ -335,14 +335,14 @@ def test_llm_reads_the_feature_extractor_config(llm_folder, tmp_path):
     extractor.save_pretrained(folder)
     llm = torchgemma.LLM(folder, progress=False)
     waves = clips([6000], seed=15)
-    ours = llm.inputs([llm._encode_prompt("<|audio|>", waves)], audio=waves)
+    ours = llm.inputs([llm.encode("<|audio|>", waves)], audio=waves)
     theirs = Gemma3nAudioFeatureExtractor.from_pretrained(folder)(waves, return_tensors="pt")
     assert torch.equal(ours["input_features"], theirs["input_features"])
 
     config = json.loads((folder / "preprocessor_config.json").read_text())
     (folder / "preprocessor_config.json").write_text(json.dumps({**config, "dither": 1e-4}))
     with pytest.raises(ValueError, match="dither is 0.0001"):
-        llm.inputs([llm._encode_prompt("<|audio|>", waves)], audio=waves)
+        llm.inputs([llm.encode("<|audio|>", waves)], audio=waves)
 
 
 def test_server_chat_and_transcription_with_audio(llm_folder):
