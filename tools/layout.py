@@ -51,8 +51,8 @@ def imports(path: Path, name: str, is_package: bool) -> set[str]:
             else:
                 target = node.module or ""
             if target.startswith("torchgemma"):
-                found.add(target)
-                found |= {f"{target}.{a.name}" for a in node.names}
+                # `from . import reference` imports the submodule; `from .x import name` imports x
+                found |= {f"{target}.{a.name}" for a in node.names} | {target + "#"}
     return found
 
 
@@ -83,7 +83,13 @@ def main() -> None:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
-        for target in imports(path, name, path.name == "__init__.py"):
+        found = imports(path, name, path.name == "__init__.py")
+        for target in found:
+            if target.endswith("#"):  # the module a from-import reads: only if no name is a submodule
+                base = target[:-1]
+                if any(t.startswith(base + ".") and t in modules for t in found):
+                    continue
+                target = base
             # the longest known module the import names
             while target and target not in modules:
                 target = target.rpartition(".")[0]

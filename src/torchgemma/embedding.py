@@ -34,7 +34,6 @@ from .tokenizer import Tokenizer
 from .weights.safetensors import read_safetensors
 
 if TYPE_CHECKING:
-    from .llm import LLM
     from .model import Gemma
 
 MODULES_FILE = "modules.json"
@@ -458,34 +457,6 @@ def token_counts(
     after truncation): the server's usage figures."""
     before = head.prompt(prompt_name, prompt)
     return [len(_token_ids(tokenizer, before + text, head.max_length)) for text in texts]
-
-
-def embed(
-    texts: str | Sequence[str],
-    *,
-    model: LLM | str | Path,
-    prompt_name: str | None = None,
-    prompt: str | None = None,
-    batch_size: int = 32,
-    truncate_dim: int | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Sentence vectors of ``texts`` from a sentence-transformers checkpoint such as EmbeddingGemma.
-
-    ``model``: an ``LLM``, or what ``LLM`` loads (a folder, a hub id), loaded with ``dtype`` and
-    ``device`` for this call only; keep an ``LLM`` to embed more than once. The rest is ``LLM.embed``.
-    """
-    from .llm import LLM
-
-    if isinstance(model, LLM):
-        if dtype is not None or device is not None:
-            raise ValueError("dtype and device apply when model is a source to load, not an LLM")
-    else:
-        model = LLM(model, dtype=dtype, device=device, progress=False)
-    return model.embed(
-        texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size, truncate_dim=truncate_dim
-    )
 
 
 def _token_ids(tokenizer: Tokenizer, text: str, max_length: int) -> list[int]:
