@@ -13,13 +13,13 @@ from .weights.loading import load
 from .weights.saving import save
 from .weights.source import CheckpointError
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # Imported on first use: the tokenizer (the `tokenizers` library, jinja2), media processing (PIL)
 # and what builds on them. A process that only loads a model and generates from token ids does not
 # pay their ~7 MB and import time.
 _LAZY = {
-    "embed": ".embedding",
+    "embed": ".llm",
     "LLM": ".llm",
     "Video": ".processing",
     "process_audio": ".processing",

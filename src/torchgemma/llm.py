@@ -492,6 +492,32 @@ class LLM:
         return rows
 
 
+def embed(
+    texts: str | Sequence[str],
+    *,
+    model: LLM | str | Path,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    batch_size: int = 32,
+    truncate_dim: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Sentence vectors of ``texts`` from a sentence-transformers checkpoint such as EmbeddingGemma.
+
+    ``model``: an ``LLM``, or what ``LLM`` loads (a folder, a hub id), loaded with ``dtype`` and
+    ``device`` for this call only; keep an ``LLM`` to embed more than once. The rest is ``LLM.embed``.
+    """
+    if isinstance(model, LLM):
+        if dtype is not None or device is not None:
+            raise ValueError("dtype and device apply when model is a source to load, not an LLM")
+    else:
+        model = LLM(model, dtype=dtype, device=device, progress=False)
+    return model.embed(
+        texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size, truncate_dim=truncate_dim
+    )
+
+
 @dataclass(frozen=True)
 class _Run:
     """One call's generation settings, resolved once (``LLM._settings``)."""

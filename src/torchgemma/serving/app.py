@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from ..version import __version__
 from ..generation.engine import Engine
 from ..llm import LLM
 from .audio import create_transcription

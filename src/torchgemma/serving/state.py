@@ -10,7 +10,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from .. import __version__
+from ..version import __version__
 from ..generation.engine import Engine
 from ..llm import LLM
 from ..tokenizer import UnknownTokenError
