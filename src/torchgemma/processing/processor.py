@@ -87,7 +87,7 @@ class Processor:
         self._settings_folder = settings
         # The family's media preparation, chosen once.
         self._expand_media: Callable[[list[list[int]], list, list, list], ExpandedRows]
-        self._unified = config.model_type == "gemma4_unified"  # encoder-free embedders, not towers
+        self._unified = config.encoder_free  # embedders project media into the decoder, no towers
         self._gemma3n_soft_tokens: int | None = None  # Gemma 3n: per clip, expanded in the text
         if config.gemma3n_audio is not None:
             self._expand_media = self._gemma3n_media

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .loading import TEXT_ONLY_TYPES
 from .source import resolve_source
 
 # What a checkpoint folder holds besides its weights and config: copied by ``copy_from``.
@@ -30,18 +29,6 @@ SIDE_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
-
-
-def checkpoint_name(module_path: str, model_type: str) -> str:
-    """The checkpoint tensor name of a module path (``language_model.norm.weight``), as published:
-    ``model.`` + the path, except that ``*ForCausalLM`` text checkpoints drop ``language_model.``."""
-    if model_type in TEXT_ONLY_TYPES:
-        return "model." + module_path.removeprefix("language_model.")
-    if model_type == "gemma3n" and module_path.startswith(
-        ("language_model.embed_vision.", "language_model.embed_audio.")
-    ):
-        return "model." + module_path.removeprefix("language_model.")  # Gemma 3n's media-token embedders
-    return "model." + module_path
 
 
 def save(model: torch.nn.Module, folder: str | Path, *, copy_from: str | Path | None = None) -> Path:
@@ -68,7 +55,7 @@ def save(model: torch.nn.Module, folder: str | Path, *, copy_from: str | Path | 
     for path, tensor in model.state_dict().items():
         if config.text.tie_word_embeddings and path == "language_model.lm_head.weight":
             continue
-        tensors[checkpoint_name(path, config.model_type)] = tensor.detach().contiguous().cpu()
+        tensors[config.checkpoint_name(path)] = tensor.detach().contiguous().cpu()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")
     if copy_from is not None:
