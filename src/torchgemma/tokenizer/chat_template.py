@@ -311,4 +311,3 @@ def render_chat_template(
         add_generation_prompt=add_generation_prompt,
         **_plain(template_kwargs),
     )
-
