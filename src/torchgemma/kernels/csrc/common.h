@@ -15,17 +15,14 @@
 // bits 5: q is unsigned 0..31, 20 bytes per 32 values, (N, K / 32 * 20): the 4-bit layout's 16 bytes
 // of low nibbles, then 4 bytes whose bit j (little-endian) is bit 4 of value j (GGML's Q5 "qh").
 //
-// The product never materialises W: per group it forms dot(x, q) in float32 and adds
-// scale * dot + min * sum(x), so a decode step reads each weight byte once. This is what makes
-// weight-only quantization fast on a CPU: batch-1 decode is bound by the bytes read per token.
-//
 // This header: what every family of kernels shares (the layout's checks and unpacking, scale loads,
 // the activations' integer rounding). Each kernel source (qlinear.cpp, int_products.cpp,
 // greedy_head.cpp, norms_rope.cpp, decode_attention.cpp) is compiled once per instruction set
-// (torchgemma/kernels/build.py: portable, AVX2, AVX-512) with -DTG_ISA=<that set's name>, so all of
-// it, this header's inline helpers included, lives in namespace torchgemma::<isa>: the three builds
-// of a helper never stand in for one another at link time. registration.cpp picks one set at run
-// time. Schemas, fakes and pure-PyTorch references: torchgemma/kernels/ops.py.
+// (build.py compiles variant.cpp, which includes them all, for portable, AVX2 and AVX-512) with
+// -DTG_ISA=<that set's name>, so all of it, this header's inline helpers included, lives in
+// namespace torchgemma::<set>: the three builds of a helper never stand in for one another at link
+// time. registration.cpp picks one set at run time. Schemas, fakes and pure-PyTorch references:
+// torchgemma/kernels/ops.py.
 
 #pragma once
 
@@ -64,7 +61,6 @@
 #include "ops.h"
 
 namespace torchgemma::TG_ISA {
-
 
 // A scale or min as float32 (exact from float16).
 inline float to_float(float v) { return v; }

@@ -4,7 +4,6 @@
 
 namespace torchgemma::TG_ISA {
 
-
 // ── Attention of one new token ───────────────────────────────────────────────────────────────
 //
 // A decode step's attention: one query per head against S keys, every key seen (no mask), keys

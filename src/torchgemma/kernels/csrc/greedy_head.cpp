@@ -5,7 +5,6 @@
 
 namespace torchgemma::TG_ISA {
 
-
 // ── Bounds for a greedy head ─────────────────────────────────────────────────────────────────
 //
 // Greedy decoding needs only the largest logit. qlinear_bounds scores every row with the activations

@@ -4,7 +4,6 @@
 
 namespace torchgemma::TG_ISA {
 
-
 // ── Products with integer activations (qlinear_int, for calls of many rows) ─────────────────────
 //
 // qlinear_int rounds each row of x to integers of `x_bits` bits (8 or 16) per block of 32 values

@@ -6,7 +6,6 @@
 
 namespace torchgemma::TG_ISA {
 
-
 // ── RMSNorm in one call ──────────────────────────────────────────────────────────────────────
 //
 // x * (mean(x^2) + eps)^-1/2 * scale over the last dimension, float32, with scale = weight, 1 + weight

@@ -13,7 +13,6 @@
 
 namespace torchgemma::TG_ISA {
 
-
 // How many activation rows share one pass over a weight row (its integers are converted once).
 constexpr int64_t kRowBlock = 4;
 
