@@ -128,55 +128,14 @@ def tokenizer_from_metadata(
     if not tokens:
         raise GGUFError(f"{source} has no vocabulary (tokenizer.ggml.tokens)")
     model = metadata.get("tokenizer.ggml.model")
-    arch = metadata.get("general.architecture")
     types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise GGUFError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
 
-    if model == "llama" and arch in _GEMMA_SENTENCEPIECE:
-        # llama.cpp stores SentencePiece's whitespace pieces with real spaces ("  "), while the
-        # normalizer turns the text's spaces into "▁": spell them with "▁" again, one per character
-        # (as transformers does, newlines in a space-and-newline piece included).
-        vocab_tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-        # SentencePiece merges in the order its pieces are listed, not by the scores llama.cpp writes.
-        merges = _derive_merges(vocab_tokens, {t: -i for i, t in enumerate(vocab_tokens)})
-        add_bos = metadata.get("tokenizer.ggml.add_bos_token", True)
-    elif model == "gemma4":
-        vocab_tokens = list(tokens)
-        if "tokenizer.ggml.merges" in metadata:
-            merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
-            for i, merge in enumerate(merges):
-                if len(merge) != 2:
-                    raise GGUFError(
-                        f"{source}: tokenizer.ggml.merges entry {i} is {' '.join(merge)!r}, not two tokens "
-                        f"joined by one space"
-                    )
-        else:
-            scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            merges = _derive_merges(vocab_tokens, dict(zip(vocab_tokens, scores)))
-        # The reference Gemma 4 tokenizer adds no BOS: its chat template writes <bos>.
-        add_bos = False
-    else:
-        raise GGUFError(
-            f"{source}: tokenizer model {model!r} for architecture {arch!r} is not a Gemma vocabulary "
-            f"(expected 'llama' with gemma/gemma2/gemma3/gemma3n, or 'gemma4')"
-        )
+    vocab_tokens, merges, add_bos = _vocabulary(metadata, tokens, source)
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
 
-    ids = {
-        name: metadata.get(f"tokenizer.ggml.{key}")
-        for name, key in (
-            ("bos", "bos_token_id"),
-            ("eos", "eos_token_id"),
-            ("pad", "padding_token_id"),
-            ("unk", "unknown_token_id"),
-        )
-    }
-    for name, token_id in ids.items():
-        if token_id is not None and not 0 <= token_id < len(tokens):
-            raise GGUFError(
-                f"{source}: {name} token id {token_id} is outside the {len(tokens)}-token vocabulary"
-            )
+    ids = _special_ids(metadata, len(tokens), source)
     unk = tokens[ids["unk"]] if ids["unk"] is not None else "<unk>"
 
     vocab = {t: i for i, t in enumerate(vocab_tokens)}
@@ -224,6 +183,60 @@ def tokenizer_from_metadata(
         unk_token=tokens[ids["unk"]] if ids["unk"] is not None else None,
     )
     return tokenizer, info
+
+
+def _vocabulary(
+    metadata: Mapping[str, Any], tokens: list[str], source: str
+) -> tuple[list[str], list[tuple[str, str]], bool]:
+    """The BPE vocabulary, its merges and whether BOS is added, by the file's tokenizer model."""
+    model = metadata.get("tokenizer.ggml.model")
+    arch = metadata.get("general.architecture")
+    if model == "llama" and arch in _GEMMA_SENTENCEPIECE:
+        # llama.cpp stores SentencePiece's whitespace pieces with real spaces ("  "), while the
+        # normalizer turns the text's spaces into "▁": spell them with "▁" again, one per character
+        # (as transformers does, newlines in a space-and-newline piece included).
+        vocab_tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        # SentencePiece merges in the order its pieces are listed, not by the scores llama.cpp writes.
+        merges = _derive_merges(vocab_tokens, {t: -i for i, t in enumerate(vocab_tokens)})
+        return vocab_tokens, merges, metadata.get("tokenizer.ggml.add_bos_token", True)
+    if model == "gemma4":
+        vocab_tokens = list(tokens)
+        if "tokenizer.ggml.merges" in metadata:
+            merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
+            for i, merge in enumerate(merges):
+                if len(merge) != 2:
+                    raise GGUFError(
+                        f"{source}: tokenizer.ggml.merges entry {i} is {' '.join(merge)!r}, not two tokens "
+                        f"joined by one space"
+                    )
+        else:
+            scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            merges = _derive_merges(vocab_tokens, dict(zip(vocab_tokens, scores)))
+        # The reference Gemma 4 tokenizer adds no BOS: its chat template writes <bos>.
+        return vocab_tokens, merges, False
+    raise GGUFError(
+        f"{source}: tokenizer model {model!r} for architecture {arch!r} is not a Gemma vocabulary "
+        f"(expected 'llama' with gemma/gemma2/gemma3/gemma3n, or 'gemma4')"
+    )
+
+
+def _special_ids(metadata: Mapping[str, Any], vocab_size: int, source: str) -> dict[str, int | None]:
+    """The bos, eos, pad and unk ids the file names (None where it names none), each checked."""
+    ids = {
+        name: metadata.get(f"tokenizer.ggml.{key}")
+        for name, key in (
+            ("bos", "bos_token_id"),
+            ("eos", "eos_token_id"),
+            ("pad", "padding_token_id"),
+            ("unk", "unknown_token_id"),
+        )
+    }
+    for name, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise GGUFError(
+                f"{source}: {name} token id {token_id} is outside the {vocab_size}-token vocabulary"
+            )
+    return ids
 
 
 def _template(
