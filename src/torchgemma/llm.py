@@ -38,7 +38,7 @@ from .processing.processor import ProcessedPrompt, Processor
 from .replies import Delta, ReplyStream, ToolCall, parse_reply
 from .tokenizer import UnknownTokenError, load_tokenizer
 from .weights.loading import load
-from .weights.source import auto_quantization, resolve_source
+from .weights.source import resolve_source
 
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -109,12 +109,12 @@ class LLM:
         quantize: str | None = "auto",
         activations: str | None = "auto",
     ) -> None:
-        if quantize == "auto":
-            quantize = auto_quantization(source)
         folder = resolve_source(source)
         self.folder = folder
+        # The source, not the folder: load resolves it again (a local or cached path by now) and
+        # reads quantize="auto" from its name, the one place that does.
         self.model = load(
-            folder,
+            source,
             dtype=dtype,
             device=device,
             attention=attention,
