@@ -47,6 +47,7 @@ def real_270m_transformers(real_270m_file) -> RealModel:
     """transformers' reading of the same file: Gemma3ForCausalLM in float32 and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
     path = real_270m_file
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return RealModel(model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))

