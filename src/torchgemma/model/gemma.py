@@ -61,16 +61,12 @@ class Gemma(nn.Module):
     @property
     def takes_media(self) -> bool:
         """A multimodal layout (gemma4, gemma4_unified): placeholders and soft tokens apply."""
-        return self.config.model_type in ("gemma4", "gemma4_unified")
+        return self.config.takes_media
 
     @property
     def towers_note(self) -> str:
         """Why a tower is missing: config.json has none, or torchgemma does not build it."""
-        if self.config.model_type == "gemma3":
-            return "torchgemma builds only the text model of model_type 'gemma3'"
-        if self.config.model_type == "gemma3n":
-            return "torchgemma builds the text model and audio tower of model_type 'gemma3n', not its vision tower"
-        return "config.json describes none"
+        return self.config.towers_note
 
     @property
     def device(self) -> torch.device:

@@ -262,45 +262,10 @@ def check_tensor_table(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
         )
 
 
-SHARED_KV_PARAMS = ("k_proj", "v_proj", "k_norm", "v_norm")
-# *ForCausalLM checkpoints: the text model's tensors are model.*, not model.language_model.*.
-TEXT_ONLY_TYPES = ("gemma4_text", "gemma3_text", "gemma3n_text", "gemma4_unified_text")
-
-
 def sanitize(name: str, config: ModelConfig) -> str | None:
-    """The module path a checkpoint tensor loads into, or None to skip it."""
-    text = config.text
-    if name.startswith("model.language_model."):  # gemma4 (multimodal) checkpoints
-        name = "language_model." + name[len("model.language_model.") :]
-    elif name.startswith("language_model.model."):  # gemma3 multimodal checkpoints, as published
-        name = "language_model." + name[len("language_model.model.") :]
-    elif name.startswith("model.") and config.model_type in TEXT_ONLY_TYPES:  # *ForCausalLM
-        name = "language_model." + name[len("model.") :]
-    elif name.startswith("model."):  # gemma4 towers and embedders: model.vision_tower.*, ...
-        name = name[len("model.") :]
-    elif config.model_type in TEXT_ONLY_TYPES and name != "lm_head.weight":
-        # *TextModel (no model. prefix, no head): EmbeddingGemma, as sentence-transformers saves it
-        name = "language_model." + name
-    if config.model_type == "gemma3" and name.startswith(("vision_tower.", "multi_modal_projector.")):
-        return None  # Gemma 3: only the text model is built
-    if config.model_type == "gemma3n":
-        if name.startswith("vision_tower.") or name == "embed_vision.soft_embedding_norm.weight":
-            return None  # Gemma 3n: the vision tower, and its soft tokens' norm, are not built
-        if name.startswith(("embed_vision.", "embed_audio.")):
-            return "language_model." + name  # the towers' token ids are embedded by the text model
-    if name == "lm_head.weight":
-        # Tied to embed_tokens (some exports write the copy anyway); else the text model's own head.
-        return None if text.tie_word_embeddings else "language_model.lm_head.weight"
-    parts = name.split(".")
-    if len(parts) > 4 and parts[:2] == ["language_model", "layers"] and parts[3] == "self_attn":
-        layer = int(parts[2]) if parts[2].isdigit() else -1
-        if (
-            0 <= layer < text.num_hidden_layers
-            and text.layers[layer].kv_role == "reuse"
-            and parts[4] in SHARED_KV_PARAMS
-        ):
-            return None  # KV-shared layers reuse another layer's K/V: published files may carry unused k/v
-    return name
+    """The module path a checkpoint tensor loads into, or None to skip it: the config's rule (the
+    checkpoint layouts' prefixes, each family's parts not built, KV-shared layers' unused k/v)."""
+    return config.module_path(name)
 
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
