@@ -763,6 +763,8 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
         else:
             assert not calls
     assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "keys", "dim"), [(4, 1, 190, 256), (8, 2, 37, 64), (2, 2, 1, 24)]
 )
