@@ -15,8 +15,8 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from tokenizer_fixtures import write_gemma4_tokenizer
-from torchgemma.tokenizer import load_tokenizer
 from torchgemma.replies import parse_reply
+from torchgemma.tokenizer import load_tokenizer
 from torchgemma.tokenizer.chat_template import ChatTemplateError, render_chat_template
 
 transformers.logging.set_verbosity_error()

@@ -218,6 +218,7 @@ def test_version():
 @pytest.mark.parametrize("subcommand", ["generate", "chat"])
 def test_bad_arguments_fail_before_the_model_loads(subcommand, flags, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
     def never(args):
         pytest.fail("the model was loaded")
 

@@ -411,8 +411,7 @@ def test_typed_image_placeholder_is_not_an_image_like_the_processor(pair) -> Non
 @pytest.mark.parametrize("name", ["gemma3", "e4b"])
 def test_gguf_tokenizer_sanitizes_like_transformers(tmp_path: Path, name: str) -> None:
     """The GGUF route (a backend built from the file's vocabulary, CONTROL tokens special)."""
-    from gguf_fixtures import random_model, write_gguf
-    from gguf_fixtures import GEMMA4_STYLES
+    from gguf_fixtures import GEMMA4_STYLES, random_model, write_gguf
 
     if name == "gemma3":
         model = random_model("gemma3_text", {}, seed=5)

@@ -793,9 +793,9 @@ def test_decode_attention_is_the_softmax_to_rounding(heads, kv_heads, keys, dim)
 def test_quantized_models_fuse_their_decoder_norms_and_rope(text_checkpoints):
     """quantize() and a quantized load both fuse the text decoder's norms and rotations; a float
     model does not."""
-    from torchgemma.model.layers import RMSNorm, apply_rope
     from torchgemma.acceleration.cpu_fusions import FUSED_ATTENTION, FusedRMSNorm, fused_rope
     from torchgemma.model.attention import ATTENTION
+    from torchgemma.model.layers import RMSNorm, apply_rope
     from torchgemma.model.text import Attention
 
     if not ensure_kernels():

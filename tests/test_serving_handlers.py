@@ -118,7 +118,11 @@ def test_chat_and_completion_equal_the_library(state, llm, run):
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"].strip() == reply.text
     assert choice["finish_reason"] == reply.finish_reason == "length" and choice["logprobs"] is None
     prompt = len(llm.chat_ids(messages))
-    assert response["usage"] == {"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10}
+    assert response["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 10,
+        "total_tokens": prompt + 10,
+    }
 
     text = "The quick brown fox"
     body = CompletionRequest(prompt=text, temperature=0, max_tokens=8, echo=True)

@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="name every file, function, circle and import")
     args = parser.parse_args()
     root = Path(args.src).resolve()
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts)
+    files = sorted(
+        p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts
+    )
 
     long_files = [(len(p.read_text().splitlines()), p) for p in files]
     long_files = [(n, p) for n, p in long_files if n > 600]

@@ -9,11 +9,10 @@ from .generation import Engine, SamplingParams, StepOutput, generate, stream
 from .model import Gemma
 from .model.inputs import MediaInputs
 from .quantization import quantize
+from .version import __version__
 from .weights.loading import load
 from .weights.saving import save
 from .weights.source import CheckpointError
-
-from .version import __version__
 
 # Imported on first use: the tokenizer (the `tokenizers` library, jinja2), media processing (PIL)
 # and what builds on them. A process that only loads a model and generates from token ids does not
@@ -69,4 +68,5 @@ __all__ = [
     "quantize",
     "save",
     "stream",
+    "__version__",
 ]

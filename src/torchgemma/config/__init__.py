@@ -1,11 +1,11 @@
 """Model configuration: frozen data built from a checkpoint's ``config.json``.
 
-    schema.py          the records: TextConfig, LayerSpec, RopeSpec, the tower configs, Family
-    model_config.py    ModelConfig (from_file, from_hf) and the checkpoint names its family implies
-    hf.py              reading config.json: the one place that knows its key names and defaults
-    gemma4.py, gemma4_unified.py, gemma3.py, gemma3n.py
-                       each family's field rules and checkpoint-name rules
-    limits.py          the largest sizes and the number rules a config.json must keep
+schema.py          the records: TextConfig, LayerSpec, RopeSpec, the tower configs, Family
+model_config.py    ModelConfig (from_file, from_hf) and the checkpoint names its family implies
+hf.py              reading config.json: the one place that knows its key names and defaults
+gemma4.py, gemma4_unified.py, gemma3.py, gemma3n.py
+                   each family's field rules and checkpoint-name rules
+limits.py          the largest sizes and the number rules a config.json must keep
 """
 
 from .gemma4 import _audio_config_from_hf, _vision_config_from_hf

@@ -66,9 +66,7 @@ def token_ids(data: dict) -> dict[str, int]:
     """The multimodal top level's media token ids (transformers' defaults for those it omits)."""
     # transformers spells the end-of-audio id `eoa_token_index`; a null id takes the default.
     spelled = {**data, "eoa_token_id": data.get("eoa_token_id", data.get("eoa_token_index"))}
-    return {
-        k: int(v if spelled.get(k) is None else spelled[k]) for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()
-    }
+    return {k: int(v if spelled.get(k) is None else spelled[k]) for k, v in MULTIMODAL_TOKEN_DEFAULTS.items()}
 
 
 def tower_configs(data: dict) -> tuple[dict | None, dict | None]:

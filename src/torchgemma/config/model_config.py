@@ -133,7 +133,9 @@ class ModelConfig:
                 and text.layers[layer].kv_role == "reuse"
                 and parts[4] in SHARED_KV_PARAMS
             ):
-                return None  # KV-shared layers reuse another layer's K/V: published files may carry unused k/v
+                return (
+                    None  # KV-shared layers reuse another layer's K/V: published files may carry unused k/v
+                )
         return name
 
     def checkpoint_name(self, module_path: str) -> str:

@@ -18,14 +18,18 @@ from .library import (
 from .ops import (
     OPERATORS,
     Operator,
-    _dequantize_reference,
-    _qlinear_int_reference,
     features_of,
     int_span,
     pack,
     packed_width,
     round_to_ints,
     unpack,
+)
+from .ops import (
+    _dequantize_reference as _dequantize_reference,  # the quantized modules' and tests' reference
+)
+from .ops import (
+    _qlinear_int_reference as _qlinear_int_reference,
 )
 
 __all__ = [

@@ -67,6 +67,7 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     high = (high * weights).sum(-1, dtype=torch.uint8)  # distinct bits: the sum is their OR
     return torch.cat((nibbles, high), dim=-1).reshape(n, k // 32 * 20).contiguous()
 
+
 # ── references: each operator's arithmetic in torch ─────────────────────────────────────────────
 
 

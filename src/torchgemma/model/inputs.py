@@ -34,7 +34,9 @@ class MediaInputs:
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The inputs that are set, by name (keyword arguments for ``Gemma.forward``)."""
-        return {field.name: value for field in fields(self) if (value := getattr(self, field.name)) is not None}
+        return {
+            field.name: value for field in fields(self) if (value := getattr(self, field.name)) is not None
+        }
 
     def __bool__(self) -> bool:
         return bool(self.as_dict())

@@ -206,9 +206,7 @@ class QuantizedWeight(nn.Module):
         f = self.format
         flat = index.reshape(-1)
         mins = None if self.mins is None else self.mins[flat]
-        values = _dequantize_reference(
-            self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size
-        )
+        values = _dequantize_reference(self.qweight[flat], self.scales[flat], mins, f.bits, f.group_size)
         return values.view(*index.shape, -1)
 
     def set_weight(self, weight: torch.Tensor) -> None:

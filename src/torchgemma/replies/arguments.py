@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 QUOTE = '<|"|>'  # Gemma's string delimiter, in arguments and tool results
 
+
 class ArgumentSyntaxError(ValueError):
     """Tool-call arguments that are not Gemma's `{key:value,...}` syntax."""
 

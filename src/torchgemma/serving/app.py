@@ -21,9 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..version import __version__
 from ..generation.engine import Engine
 from ..llm import LLM
+from ..version import __version__
 from .audio import create_transcription
 from .chat import create_chat_completion
 from .completions import create_completion

@@ -10,10 +10,10 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from ..version import __version__
 from ..generation.engine import Engine
 from ..llm import LLM
 from ..tokenizer import UnknownTokenError
+from ..version import __version__
 from .errors import APIError
 from .metrics import Metrics
 from .runner import EngineRunner
