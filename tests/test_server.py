@@ -682,6 +682,9 @@ def test_serve_without_the_extra_is_a_clear_error(monkeypatch, capsys, llm_check
 # ── the real model ───────────────────────────────────────────────────────────────────────────
 
 
+# Slow: the real model loaded again for the server (~8.5 CPU-s); the default run covers the real
+# model through test_real_model's session fixture, and concurrent streams on the tiny model above.
+@pytest.mark.slow
 def test_real_gemma3_270m_serves_concurrent_completions():
     """The real Gemma 3 270M (the Q4_K_M GGUF, dequantized to float32): four streams of different
     lengths at once, each equal to its request alone and to the library's greedy continuation."""
