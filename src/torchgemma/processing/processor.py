@@ -205,9 +205,8 @@ class Processor:
     ) -> list[int]:
         """The conversation rendered with the checkpoint's own chat template, ready for the model's
         turn; media items appear as one placeholder each (not expanded)."""
-        return self.tokenizer.apply_chat_template(
+        return self.render_chat(
             messages,
-            add_generation_prompt=True,
             enable_thinking=enable_thinking,
             tools=tools,
             sanitize_control_tokens=sanitize_control_tokens,
