@@ -31,6 +31,7 @@ from gguf.quants import quantize
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_fixtures import GEMMA4_STYLES, random_blocks, random_model, vocab_tokens, write_gguf  # noqa: E402
+from torchgemma import load  # noqa: E402
 from torchgemma.tokenizer.gguf import tokenizer_from_gguf  # noqa: E402
 from torchgemma.weights.gguf import SUPPORTED_TYPES, GGUFError, dequantize, read_gguf, read_gguf_metadata  # noqa: E402
 
@@ -741,6 +742,9 @@ def test_mismatched_metadata_is_reported(synthetic, tmp_path):
         match=r"k_proj\.weight \(from blk\.0\.attn_k\.weight\) has shape \[32, 64\], config implies \[16, 64\]",
     ):
         read_gguf(path)
+    # load checks the same shapes on the meta model it builds, with read_gguf's message
+    with pytest.raises(GGUFError, match=r"heads\.gguf does not match the config read from its metadata"):
+        load(path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from ..model import Gemma
 from ..model.attention import ATTENTION_BACKENDS
 from ..placement import offload_per_layer_table
@@ -163,11 +163,9 @@ def _open(path: Path, stack: ExitStack) -> _Checkpoint:
 def _open_gguf(path: Path) -> _Checkpoint:
     from .gguf import read_gguf
 
-    checkpoint = read_gguf(path)
-    try:
-        config = ModelConfig.from_hf(checkpoint.config)
-    except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from err
+    # Shapes are checked in _build, against the meta model built there.
+    checkpoint = read_gguf(path, check_shapes=False)
+    config = checkpoint.model_config
     names = checkpoint.tensor_names()
     # The bar counts what is read: the quantized bytes of the GGUF tensor(s) behind each tensor
     # (GGUFCheckpoint has no public accessor for them; _TensorInfo.n_bytes is the stored size).
@@ -197,6 +195,8 @@ def _build(
     config = checkpoint.config
     with torch.device("meta"):
         model = Gemma(config, attention).to(dtype=dtype)
+    if checkpoint.gguf is not None:
+        checkpoint.gguf.check_shapes(model)  # read_gguf's own check, on this meta model
     plan.prepare(model, dtype)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
     loads = match_tensors(model, config, checkpoint.tensors(dtype))

@@ -29,7 +29,7 @@ class GGUFCheckpoint:
     ``"gemma4"``), ``skipped`` (GGUF tensors not yielded, each with the reason).
     """
 
-    def __init__(self, file: _GGUFFile):
+    def __init__(self, file: _GGUFFile, *, check_shapes: bool = True):
         self.path = file.path
         self.metadata = file.metadata
         self.architecture: str = file.metadata["general.architecture"]
@@ -46,7 +46,8 @@ class GGUFCheckpoint:
             self.model_config = ModelConfig.from_hf(self.config)
         except ConfigError as err:
             raise ConfigError(f"{self.path}: {err}") from err
-        self._check_shapes()
+        if check_shapes:
+            self.check_shapes()
 
     # -- public API --------------------------------------------------------------------------------
 
@@ -148,14 +149,16 @@ class GGUFCheckpoint:
                         f"reader cannot dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
                     )
 
-    def _check_shapes(self) -> None:
-        """Every tensor against the model ``model_config`` builds, made on the meta device (no memory,
-        no weights), as the loader checks a checkpoint (weights/loading.py): one model definition."""
-        from ...model import Gemma
-
+    def check_shapes(self, model: torch.nn.Module | None = None) -> None:
+        """Every tensor against ``model``: by default the model ``model_config`` builds, made on the
+        meta device (no memory, no weights), as the loader checks a checkpoint: one model definition.
+        The loader passes the meta model it builds anyway, so that one is built once."""
         config = self.model_config
-        with torch.device("meta"):
-            model = Gemma(config)
+        if model is None:
+            from ...model import Gemma
+
+            with torch.device("meta"):
+                model = Gemma(config)
         expected = _model_shapes(model)
         problems = []
         covered = set()
@@ -186,13 +189,14 @@ def _model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in tensors.items() if name in persistent}
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
+def read_gguf(path: str | Path, *, check_shapes: bool = True) -> GGUFCheckpoint:
     """Open a Gemma 3, Gemma 3n or Gemma 4 GGUF file (memory-mapped) as a Hugging Face style checkpoint.
 
     Raises ``GGUFError`` (a ``ValueError``) naming the file and the problem for a file that is not a
     GGUF, is truncated, uses an unknown or unsupported quantization type, has an architecture other
     than gemma3/gemma3n/gemma4, or whose tensors disagree with its metadata; ``ConfigError`` (also a
     ``ValueError``, naming the file) when its metadata describes a model torchgemma cannot build.
+    ``check_shapes=False`` leaves the tensor shapes to the caller (``GGUFCheckpoint.check_shapes``).
     """
     file = _GGUFFile(Path(path))
     arch = file.metadata.get("general.architecture")
@@ -200,4 +204,4 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         raise GGUFError(
             f"{file.name} has architecture {arch!r}; read_gguf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return GGUFCheckpoint(file)
+    return GGUFCheckpoint(file, check_shapes=check_shapes)
