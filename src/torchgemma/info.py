@@ -18,7 +18,9 @@ from .config import ModelConfig
 from .model import Gemma
 from .model.text import Experts
 from .quantization import quantizable as quantizable_weights
-from .weights.source import resolve_source
+from .weights.loading import checkpoint_dtype
+from .weights.safetensors import check_header, safetensors_files
+from .weights.source import CheckpointError, resolve_source
 
 GIB = 2**30
 
@@ -87,15 +89,45 @@ def checkpoint_config(source: str | Path) -> ModelConfig:
     ``gemma3-270m``), resolved by the same ``resolve_source`` (a hub id fetches config.json alone), or
     a config.json file. A GGUF file's config comes from its metadata, as ``load`` reads it.
     """
+    return inspect_checkpoint(source)[0]
+
+
+def inspect_checkpoint(source: str | Path) -> tuple[ModelConfig, torch.dtype]:
+    """``checkpoint_config(source)`` and the dtype ``load(source)`` builds the model in when told
+    none, which is its KV cache's too: loading's own rule (``checkpoint_dtype``), applied to the GGUF
+    file, or to config.json and, where the weights are local, their safetensors headers (read when
+    config.json names no dtype; a hub id fetches no weights, so then float32, as load's fallback)."""
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".json":
-        return ModelConfig.from_file(path)
+        config = ModelConfig.from_file(path)
+        return config, checkpoint_dtype(config, _stored_dtypes(path.parent))
     local = resolve_source(source, hub_files=CONFIG_FILES)
     if local.suffix != ".gguf":
-        return ModelConfig.from_file(local)
+        config = ModelConfig.from_file(local)
+        return config, checkpoint_dtype(config, _stored_dtypes(local))
     from .weights.gguf import read_gguf
 
-    return read_gguf(local).model_config  # a ConfigError names the file
+    config = read_gguf(local).model_config  # a ConfigError names the file
+    return config, checkpoint_dtype(config, gguf=True)
+
+
+def _stored_dtypes(folder: Path) -> list[str]:
+    """The safetensors dtype names of a folder's tensors, from the file headers (none without weights)."""
+    if (
+        not (folder / "model.safetensors").is_file()
+        and not (folder / "model.safetensors.index.json").is_file()
+    ):
+        return []
+    try:
+        files = safetensors_files(folder)
+    except CheckpointError:  # shards missing: load would refuse the folder; info still reports
+        return []
+    return [
+        entry["dtype"]
+        for file in files
+        for name, entry in check_header(file)[0].items()
+        if name != "__metadata__"
+    ]
 
 
 def sentence_head_shapes(source: str | Path) -> dict:
@@ -172,13 +204,15 @@ def describe(
     sentence_head: dict | None = None,
 ) -> dict:
     """Parameter counts and memory of a checkpoint, as a JSON-ready dict (``sentence_head``: see
-    ``model_tensors``)."""
+    ``model_tensors``).
+
+    ``dtype``: the KV cache's. None: the one ``load`` would give the model (its cache takes the
+    model's), as far as the config tells (``checkpoint_dtype``); a GGUF file, or a config.json that
+    names no dtype, needs the source: pass ``inspect_checkpoint(source)[1]``, as ``torchgemma info`` does.
+    """
     text = config.text
     context = context or text.max_position_embeddings
-    # A float16 checkpoint loads in float32 (float16 overflows Gemma's activations), its cache too.
-    kv_dtype = dtype or {"float32": torch.float32, "float16": torch.float32}.get(
-        config.dtype or "", torch.bfloat16
-    )
+    kv_dtype = dtype or checkpoint_dtype(config)
     towers = model_tensors(config, sentence_head)
     everything = [t for tensors in towers.values() for t in tensors]
 

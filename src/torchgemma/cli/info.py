@@ -48,18 +48,19 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..info import checkpoint_config, describe, format_report, sentence_head_shapes
+    from ..info import describe, format_report, inspect_checkpoint, sentence_head_shapes
 
     if args.path is not None and args.model is not None:
         args.parser.error("give the checkpoint once: as an argument or with --model")
     source = args.path if args.path is not None else args.model
     if source is None:
         args.parser.error("which checkpoint? e.g. torchgemma info gemma3-270m")
+    config, load_dtype = inspect_checkpoint(source)
     info = describe(
-        checkpoint_config(source),
+        config,
         context=args.context,
         batch=args.batch,
-        dtype=resolve_dtype(args.dtype),
+        dtype=resolve_dtype(args.dtype) or load_dtype,
         max_rollback=args.max_rollback,
         sentence_head=sentence_head_shapes(source),
     )

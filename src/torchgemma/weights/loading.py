@@ -157,7 +157,8 @@ def _open(path: Path, stack: ExitStack) -> _Checkpoint:
     tensors = list(read_safetensors(safetensors_files(path), stack))
     check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
     stored = {name: tensor_nbytes(shape, dt) for name, _, shape, dt in tensors}
-    return _Checkpoint(config, _checkpoint_dtype(config, tensors), stored, lambda dtype: tensors)
+    dtype = checkpoint_dtype(config, (dt for *_, dt in tensors))
+    return _Checkpoint(config, dtype, stored, lambda dtype: tensors)
 
 
 def _open_gguf(path: Path) -> _Checkpoint:
@@ -177,7 +178,7 @@ def _open_gguf(path: Path) -> _Checkpoint:
         return [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
 
     # GGUF blocks are dequantized into float32 unless another dtype is asked for.
-    return _Checkpoint(config, torch.float32, stored, tensors, gguf=checkpoint)
+    return _Checkpoint(config, checkpoint_dtype(config, gguf=True), stored, tensors, gguf=checkpoint)
 
 
 def _build(
@@ -222,10 +223,17 @@ def _progress(total: int, name: str | None) -> tqdm:
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}", file=stream, disable=quiet)
 
 
-def _checkpoint_dtype(config: ModelConfig, tensors) -> torch.dtype:
+def checkpoint_dtype(config: ModelConfig, stored: Iterable[str] = (), *, gguf: bool = False) -> torch.dtype:
+    """The dtype ``load`` builds a checkpoint's model in when told none, and so the dtype of every KV
+    cache the model makes (``make_cache`` allocates in the model's dtype); ``torchgemma info`` asks
+    it too. A GGUF file: float32 (its blocks are dequantized into it). Otherwise config.json's
+    dtype, else the first float dtype among ``stored`` (the safetensors dtype names of the tensors,
+    "BF16", ...), else float32; float16 becomes float32."""
+    if gguf:
+        return torch.float32
     dtype = resolve_dtype(config.dtype) if config.dtype is not None else None
     if dtype is None:
-        dtype = next((FLOAT_DTYPES[dt] for *_, dt in tensors if dt in FLOAT_DTYPES), torch.float32)
+        dtype = next((FLOAT_DTYPES[dt] for dt in stored if dt in FLOAT_DTYPES), torch.float32)
     # float16 checkpoints run in float32 (exact, and in range): see FLOAT16_REFUSED.
     return torch.float32 if dtype == torch.float16 else dtype
 
