@@ -384,6 +384,31 @@ def _max_length(folder: Path, text: TextConfig) -> int:
 # ── texts in, vectors out ────────────────────────────────────────────────────────────────────
 
 
+def check_embedding_rows(
+    input_ids: torch.Tensor | Sequence[Sequence[int]],
+    tokenizer: Tokenizer,
+    rows: int,
+    where: str = "the prompt",
+) -> None:
+    """Refuse a prompt (``where`` names it) that uses a token the model has no embedding row for,
+    naming the token.
+
+    A tokenizer may define ids past the model's table: the published EmbeddingGemma and Gemma 3
+    270M/1B map ``<image_soft_token>`` (added_tokens.json, tokenizer.json) to 262144, one past their
+    262,144 rows, as sentence-transformers and transformers load them. That is legal until a prompt
+    uses such an id, which would otherwise fail deep in the model as an IndexError.
+    """
+    ids = torch.as_tensor(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids
+    past = ids >= rows
+    if bool(past.any()):
+        token_id = int(ids[past][0])
+        name = tokenizer.backend.id_to_token(token_id)
+        raise ValueError(
+            f"{where} uses token {name!r} (id {token_id}), which the tokenizer defines but the model "
+            f"cannot embed: its embedding table has {rows} rows (ids 0-{rows - 1})"
+        )
+
+
 def embed_texts(
     model: Gemma,
     tokenizer: Tokenizer,
@@ -432,6 +457,7 @@ def embed_texts(
             for i, row in zip(rows, ids):
                 if not row:
                     raise ValueError(f"texts[{i}] has no tokens")
+                check_embedding_rows([row], tokenizer, model.config.text.vocab_size, f"texts[{i}]")
             input_ids, mask = _right_pad(ids, pad_id, device)
             states = model.language_model(input_ids, attention_mask=mask, head=False)  # (B, T, H)
             batch = head(states, mask, prompt_length)  # (B, D)

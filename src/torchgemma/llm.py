@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from .embedding import MODULES_FILE, SentenceHead, embed_texts
+from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, SamplingParams, stream
 from .model.inputs import MediaInputs
 from .processing.processor import ProcessedPrompt, Processor
@@ -43,7 +43,7 @@ from .weights.source import resolve_source
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512
 # The sampling settings the public methods take by name (folded into one SamplingParams).
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,9 @@ class LLM:
         self.tokenizer = load_tokenizer(folder)
         text = self.model.config.text
         self.generation_config = GenerationConfig.from_folder(folder, text)
-        if self.tokenizer.vocab_size > text.vocab_size:
-            raise ValueError(
-                f"{folder}: the tokenizer has {self.tokenizer.vocab_size} ids but the model only "
-                f"{text.vocab_size} embedding rows"
-            )
+        # The tokenizer may define more ids than the model has embedding rows (the published
+        # EmbeddingGemma and Gemma 3 270M/1B map <image_soft_token> to 262144, one past their
+        # table): legal, until a prompt uses one (check_embedding_rows, before the model runs).
         self.processor = Processor(
             self.tokenizer,
             self.model.config,
@@ -456,6 +454,7 @@ class LLM:
         run: _Run,
     ) -> Iterator[torch.Tensor]:
         """The next token of every row (B,), step by step: ``generation.stream`` with the call's settings."""
+        check_embedding_rows(input_ids, self.tokenizer, self.model.config.text.vocab_size)
         return stream(
             self.model,
             input_ids,

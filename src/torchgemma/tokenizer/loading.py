@@ -10,8 +10,11 @@ reference exactly:
   drops `add_bos_token`/`add_eos_token` from tokenizer_config.json whenever tokenizer.json exists.
   Gemma 4 checkpoints put `<bos>` in the chat template instead.
 * Added tokens come from tokenizer_config.json's `added_tokens_decoder` when present, otherwise from
-  tokenizer.json (plus special_tokens_map.json for the named tokens), and every named or extra special
-  token missing from them is added as a special token, in transformers' order.
+  added_tokens.json and tokenizer.json (the latter's win for the same id; plus special_tokens_map.json
+  for the named tokens), and every named or extra special token missing from them is added as a
+  special token, in transformers' order. Added tokens may reach past the model's embedding table
+  (EmbeddingGemma's `<image_soft_token>`, 262144): the tokenizer keeps them, the model refuses them
+  when used.
 * chat_template.jinja (and additional_chat_templates/*.jinja) take precedence over a
   `chat_template` entry in tokenizer_config.json.
 """
@@ -34,6 +37,7 @@ TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
     "chat_template.jinja",
     "additional_chat_templates/*.jinja",
 )
@@ -74,7 +78,9 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, revision: str | None = None
     gemma = config.get("tokenizer_class") in _GEMMA_CLASSES
 
     named, extra = _named_special_tokens(folder, config, gemma)
-    decoder_tokens = _added_tokens_decoder(folder, config, data)
+    # transformers' legacy added_tokens.json reading counts the standard names and the extra list.
+    specials = {_content(named[k]) for k in _STANDARD_SPECIAL if k in named} | {_content(t) for t in extra}
+    decoder_tokens = _added_tokens_decoder(folder, config, data, specials)
     backend = _build_backend(folder, data, gemma, unk_token=_content(named.get("unk_token", "<unk>")))
     # transformers adds the listed added tokens that the backend lacks (by content and flags), in id
     # order, before the named/extra special tokens; the Tokenizer constructor then adds those.
@@ -219,13 +225,20 @@ def _special_added(value: Any) -> str | AddedToken:
 
 
 def _added_tokens_decoder(
-    folder: Path, config: Mapping[str, Any], data: Mapping[str, Any]
+    folder: Path, config: Mapping[str, Any], data: Mapping[str, Any], specials: set[str]
 ) -> dict[int, AddedToken]:
-    """The added tokens transformers starts from: the config's list, else tokenizer.json's."""
+    """The added tokens transformers starts from: the config's list, else added_tokens.json's
+    (legacy: a token is special when it is a named or extra special token, ``specials``) overridden
+    by tokenizer.json's, id by id."""
     if "added_tokens_decoder" in config:
-        entries = config["added_tokens_decoder"].items()
+        entries = list(config["added_tokens_decoder"].items())
     else:
-        entries = ((t["id"], t) for t in data.get("added_tokens", []))
+        entries = []
+        if (folder / "added_tokens.json").is_file():
+            for content, index in _read_json(folder, "added_tokens.json").items():
+                special = content in specials
+                entries.append((index, {"content": content, "normalized": not special, "special": special}))
+        entries += [(t["id"], t) for t in data.get("added_tokens", [])]
     tokens = {}
     for index, entry in entries:
         token = _added_token(entry)
