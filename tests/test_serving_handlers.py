@@ -90,7 +90,8 @@ def test_invalid_requests_are_refused_before_the_engine(scripted, run):
     part = [{"role": "user", "content": [{"type": "file"}]}]
     assert refusal(chat(messages=part)).param == "messages.0.content.0"
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-    assert "data URLs" in refusal(chat(messages=[{"role": "user", "content": [image]}])).message
+    # A text-only model: refused for the tower first (URLs to a vision model: test_serving_limits.py).
+    assert "no vision tower" in refusal(chat(messages=[{"role": "user", "content": [image]}])).message
     long = refusal(chat(messages=user("word " * 600)))
     assert long.code == "context_length_exceeded" and long.param == "messages"
 

@@ -7,12 +7,15 @@
     GET  /v1/models  /health  /metrics  /   (the last: a chat page)
 
 Each route reads its request and calls its endpoint's handler with the server's state
-(``state.ServerState``); errors have OpenAI's shape.
+(``state.ServerState``); errors have OpenAI's shape. Before any route, ``Guard`` checks what needs
+no body: the Host header, the API key, an endpoint the model cannot serve, and the body's size as it
+is read; then it writes the request's log line.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from importlib import resources
 from typing import Annotated
 
@@ -24,11 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..generation.engine import Engine
 from ..llm import LLM
 from ..version import __version__
-from .audio import create_transcription
+from .audio import create_transcription, no_audio_tower
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_embedding
+from .embeddings import create_embedding, no_sentence_head
 from .errors import RETRY_AFTER_SECONDS, APIError, bad_request
+from .limits import Limits
+from .metrics import RequestLog, logger
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from .state import ServerState
 
@@ -46,11 +51,18 @@ def create_app(
     api_key: str | None = None,
     prefill_chunk: int = 512,
     engine: Engine | None = None,
+    limits: Limits | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    log_prompts: bool = False,
 ) -> FastAPI:
     """The server's application: ``uvicorn.run(create_app(llm, model_name=...))``.
 
     ``engine`` replaces the one built from ``llm.model`` (anything with ``Engine``'s methods: tests
-    script model outputs this way); its ``max_len`` then sets the limit.
+    script model outputs this way); its ``max_len`` then sets the limit. ``limits``: what one request
+    may ask (``limits.Limits``' defaults when None). ``allowed_hosts``: the names the Host header may
+    give (any port; ``"*"`` any name, ``"*.example.com"`` its subdomains), None to serve any
+    (``torchgemma serve`` allows only loopback names when bound to loopback). Each request is logged
+    at INFO on the ``torchgemma.serving`` logger; its prompt too with ``log_prompts``.
     """
     state = ServerState.build(
         llm,
@@ -61,6 +73,7 @@ def create_app(
         api_key=api_key,
         prefill_chunk=prefill_chunk,
         engine=engine,
+        limits=limits,
     )
     app = FastAPI(title="torchgemma", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -69,6 +82,7 @@ def create_app(
     app.on_event("shutdown")(state.close)
     _add_error_handling(app, state)
     _add_routes(app, state)
+    app.add_middleware(Guard, state=state, allowed_hosts=allowed_hosts, log_prompts=log_prompts)
     return app
 
 
@@ -151,13 +165,130 @@ def _add_error_handling(app: FastAPI, state: ServerState) -> None:
     async def _http_error(request: Request, error: StarletteHTTPException):
         return APIError(error.status_code, str(error.detail)).response()
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        given = request.headers.get("authorization", "")
-        if (
-            state.api_key is not None
-            and request.url.path not in OPEN_PATHS
-            and not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
-        ):
-            return APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)").response()
-        return await call_next(request)
+
+# Host names a server bound to loopback answers to by default (any port): a browser page on another
+# site can make requests to 127.0.0.1 through a name it controls (DNS rebinding), but that name is
+# then in the Host header.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class Guard:
+    """ASGI middleware in front of every route: the request log, then the Host header, the API key,
+    endpoints the model cannot serve, and the body-size cap, each answered before the body is read.
+
+    The body is read here, counted as it arrives (a chunked body has no Content-Length), at most
+    ``limits.max_request_bytes``; beyond that, or when Content-Length says so first, the answer is
+    413 and the connection is closed without reading the rest. The routes then read the body from
+    memory, as they would have read it anyway.
+    """
+
+    def __init__(self, app, *, state: ServerState, allowed_hosts: Sequence[str] | None, log_prompts: bool):
+        self.app, self.state, self.log_prompts = app, state, log_prompts
+        self.allowed_hosts = None if allowed_hosts is None else [h.lower().strip("[]") for h in allowed_hosts]
+        if self.allowed_hosts is not None and "*" in self.allowed_hosts:
+            self.allowed_hosts = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client = scope.get("client")
+        log = RequestLog(scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else "-")
+        scope["torchgemma.log"] = log
+
+        async def logged_send(message):
+            if message["type"] == "http.response.start":
+                log.status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal.response()(scope, receive, logged_send)
+            body = await self._read_body(scope, receive, logged_send)
+            if body is not None:
+                await self.app(scope, _replay(body, receive), logged_send)
+        finally:
+            logger.info(log.line(self.state.tokenizer if self.log_prompts else None))
+
+    def _refusal(self, scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if not _host_allowed(host, self.allowed_hosts):
+                return bad_request(
+                    f"Host header {host!r} is not one this server answers to (allowed: "
+                    f"{', '.join(self.allowed_hosts)}; see --allowed-hosts)",
+                    code="host_not_allowed",
+                )
+        path, state = scope["path"], self.state
+        if state.api_key is not None and path not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+                return APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)")
+        # Endpoints this model cannot serve: refused before their upload is read.
+        if path == "/v1/audio/transcriptions" and not state.takes_audio:
+            return no_audio_tower()
+        if path == "/v1/embeddings" and not state.llm.has_sentence_head:
+            return no_sentence_head()
+        return None
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None once a 413 has been sent."""
+        cap = self.state.limits.max_request_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            await _too_large(cap, int(length))(scope, receive, send)
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                await _too_large(cap, None)(scope, receive, send)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(cap: int, length: int | None):
+    stated = f" ({length:,} bytes)" if length is not None else ""
+    error = APIError(
+        413,
+        f"the request body{stated} is larger than this server's limit of {cap:,} bytes (--max-request-bytes)",
+        code="request_too_large",
+    )
+    # Close the connection rather than read the rest of the body.
+    return error.response({"Connection": "close"})
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives the body read already, then the client's own messages (a disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def _host_allowed(host: str, allowed: list[str]) -> bool:
+    """Whether a Host header's name (any port) is among ``allowed`` (``*.example.com`` matches its
+    subdomains)."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        name = host[1 : host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    if not name:
+        return False
+    return any(
+        name == pattern or (pattern.startswith("*.") and name.endswith(pattern[1:])) for pattern in allowed
+    )

@@ -18,7 +18,9 @@ from fastapi.responses import StreamingResponse
 from ..generation.constraints import JSONObject
 from ..replies import forced_call_prefix, template_tool_call
 from .errors import bad_request
-from .media import decode_audio, decode_image
+from .limits import MediaBudget
+from .media import audio_bytes, check_wav, decode_wav_upload, load_image, open_image
+from .metrics import log_request
 from .protocol import ChatCompletionRequest, ContentPart, Message
 from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
@@ -33,12 +35,50 @@ async def create_chat_completion(
     """The reply as a chat.completion object, or as a stream of chunks when ``body.stream``.
     ``request``, when given, is watched for the client going away."""
     state.check_model(body.model)
-    prepared = prepare_chat(state, body)
+    check_chat_request(state, body)
+    # Template, tokenizer and media decoding off the event loop (a large request must not stall
+    # /health or other clients' streams).
+    prepared = await state.prepare(prepare_chat, state, body)
+    log_request(request, prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_response(state, request, prepared, chat=True, include_usage=include_usage)
     outcome = await collect(state, request, prepared, "chat")
     return chat_response(state, outcome, prepared)
+
+
+def check_chat_request(state: ServerState, body: ChatCompletionRequest) -> None:
+    """What is refused before any work: media the model has no tower for, more media than a
+    request may hold, and text too long for the context whatever its tokens."""
+    budget = MediaBudget(state.limits)
+    chars = 0
+    for index, message in enumerate(body.messages):
+        if isinstance(message.content, str):
+            chars += len(message.content)
+        for part_index, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            at = f"messages.{index}.content.{part_index}"
+            if part.type == "text":
+                chars += len(part.text or "")
+            elif part.type == "image_url":
+                if not state.takes_images:
+                    raise bad_request(
+                        f"this model has no vision tower ({state.llm.model.config.towers_note}): "
+                        "it cannot take images",
+                        at,
+                    )
+                budget.count(at)
+            elif part.type == "input_audio":
+                if not state.takes_audio:
+                    raise bad_request(
+                        f"this model has no audio tower ({state.llm.model.config.towers_note}): "
+                        "it cannot take audio",
+                        at,
+                    )
+                budget.count(at)
+        for call in message.tool_calls or ():
+            arguments = call.function.arguments
+            chars += len(call.function.name) + (len(arguments) if isinstance(arguments, str) else 0)
+    state.check_prompt_chars(chars, "messages")
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
@@ -57,7 +97,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     if json_object:
         thinking = False  # the JSON constraint starts at the first generated token
     tools, prefix = tool_choice(body)
-    messages, images, audio = template_messages(body.messages)
+    messages, images, audio = template_messages(body.messages, MediaBudget(state.limits))
     processor = state.llm.processor
     try:
         # Clients are untrusted: control tokens typed in any message, tool or result stay text.
@@ -118,15 +158,19 @@ def tool_choice(body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
     return (tools if choice != "none" else None), prefix
 
 
-def template_messages(messages: Sequence[Message]) -> tuple[list[dict], list, list]:
+def template_messages(
+    messages: Sequence[Message], budget: MediaBudget | None = None
+) -> tuple[list[dict], list, list]:
     """OpenAI messages -> the template's: content items with decoded media, tool calls with dict
-    arguments, tool results named after the call they answer. Also the images and audio, in order."""
+    arguments, tool results named after the call they answer. Also the images and audio, in order.
+
+    Every image and clip is sized from its header against ``budget`` before any is decoded."""
     call_names: dict[str, str] = {}
-    out, images, audio = [], [], []
+    out, media = [], []
     for index, message in enumerate(messages):
         entry: dict[str, Any] = {"role": message.role}
         if isinstance(message.content, list):
-            entry["content"] = content_items(message.content, f"messages.{index}.content", images, audio)
+            entry["content"] = content_items(message.content, f"messages.{index}.content", media, budget)
         else:
             entry["content"] = message.content or ""
         if message.tool_calls:
@@ -150,25 +194,35 @@ def template_messages(messages: Sequence[Message]) -> tuple[list[dict], list, li
             if isinstance(content, list):
                 entry["content"] = "".join(item.get("text", "") for item in content)
         out.append(entry)
+    # Every header passed: decode, in order.
+    images, audio = [], []
+    for item, at, raw in media:
+        if item["type"] == "image":
+            images.append(load_image(item["image"], at))
+        else:
+            item["audio"] = decode_wav_upload(raw, at)
+            audio.append(item["audio"])
     return out, images, audio
 
 
-def content_items(parts: Sequence[ContentPart], where: str, images: list, audio: list) -> list[dict]:
-    """One message's content parts as the template's items; decoded media also go to ``images`` and
-    ``audio``."""
+def content_items(
+    parts: Sequence[ContentPart], where: str, media: list, budget: MediaBudget | None = None
+) -> list[dict]:
+    """One message's content parts as the template's items. Media are only opened and checked
+    here; their items go to ``media`` as (item, where, WAV bytes or None), to be decoded after."""
     items = []
     for part_index, part in enumerate(parts):
         at = f"{where}.{part_index}"
         if part.type == "text":
             items.append({"type": "text", "text": part.text or ""})
         elif part.type == "image_url" and part.image_url is not None:
-            image = decode_image(part.image_url.url, at)
-            images.append(image)
-            items.append({"type": "image", "image": image})
+            items.append({"type": "image", "image": open_image(part.image_url.url, at, budget)})
+            media.append((items[-1], at, None))
         elif part.type == "input_audio" and part.input_audio is not None:
-            clip = decode_audio(part.input_audio.data, part.input_audio.format, at)
-            audio.append(clip)
-            items.append({"type": "audio", "audio": clip})
+            data = audio_bytes(part.input_audio.data, part.input_audio.format, at)
+            check_wav(data, at, budget)
+            items.append({"type": "audio", "audio": None})
+            media.append((items[-1], at, data))
         else:
             raise bad_request(f"unsupported content part of type {part.type!r}", at)
     return items

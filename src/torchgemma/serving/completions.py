@@ -6,6 +6,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .errors import bad_request
+from .metrics import log_request
 from .protocol import CompletionRequest
 from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
@@ -18,7 +19,18 @@ async def create_completion(
     """The reply as a text_completion object, or as a stream of them when ``body.stream``.
     ``request``, when given, is watched for the client going away."""
     state.check_model(body.model)
-    prepared = prepare_completion(state, body)
+    if isinstance(body.prompt, str):
+        state.check_prompt_chars(len(body.prompt), "prompt")
+    elif len(body.prompt) > state.context_limit:
+        raise bad_request(
+            f"the prompt has {len(body.prompt)} tokens; this server's limit is {state.max_len} tokens of "
+            "prompt and reply together",
+            "prompt",
+            "context_length_exceeded",
+        )
+    # Tokenizing off the event loop (a long prompt must not stall /health or other streams).
+    prepared = await state.prepare(prepare_completion, state, body)
+    log_request(request, prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_response(state, request, prepared, chat=False, include_usage=include_usage)

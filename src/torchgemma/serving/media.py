@@ -1,16 +1,28 @@
-"""Images and audio sent by clients -> what the processor takes; a file we cannot read is a 400."""
+"""Images and audio sent by clients -> what the processor takes; a file we cannot read is a 400.
+
+Media are sized from their headers before they are decoded (``limits.MediaBudget``): an image's
+pixels from ``PIL.Image.open``, which reads the header alone (``load`` decodes), a WAV clip's length
+from its RIFF chunks. A request over a limit is refused before any of its media is decoded.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import struct
 
-from ..processing.audio import decode_wav
+from ..processing.audio import MAX_SAMPLES, SAMPLING_RATE, decode_wav
 from .errors import bad_request
+from .limits import MediaBudget
+
+# The part of a clip the model hears (longer clips are cut, as in the reference).
+HEARD_SECONDS = MAX_SAMPLES / SAMPLING_RATE
 
 
-def decode_image(url: str, where: str):
+def open_image(url: str, where: str, budget: MediaBudget | None = None):
+    """A data URL's image, its header read and checked against ``budget``, its pixels not yet
+    decoded (``load_image`` decodes them)."""
     from PIL import Image, UnidentifiedImageError
 
     if not url.startswith("data:"):
@@ -22,8 +34,7 @@ def decode_image(url: str, where: str):
         if ";base64" not in header:
             raise ValueError("not base64")
         data = base64.b64decode(payload, validate=True)
-        image = Image.open(io.BytesIO(data))
-        image.load()
+        image = Image.open(io.BytesIO(data))  # the header only
     except (
         ValueError,
         binascii.Error,
@@ -32,16 +43,47 @@ def decode_image(url: str, where: str):
         Image.DecompressionBombError,
     ) as error:
         raise bad_request(f"cannot read the image: {error}", where) from error
+    if budget is not None:
+        budget.add_image(*image.size, where)
     return image
 
 
-def decode_audio(payload: str, fmt: str, where: str):
+def load_image(image, where: str):
+    """Decode an image ``open_image`` checked; a file that breaks while decoding is a 400."""
+    from PIL import Image
+
+    try:
+        image.load()
+    except (ValueError, OSError, Image.DecompressionBombError) as error:
+        raise bad_request(f"cannot read the image: {error}", where) from error
+    return image
+
+
+def decode_image(url: str, where: str, budget: MediaBudget | None = None):
+    return load_image(open_image(url, where, budget), where)
+
+
+def audio_bytes(payload: str, fmt: str, where: str) -> bytes:
+    """An ``input_audio`` part's WAV file, base64-decoded (not yet parsed)."""
     if fmt != "wav":
         raise bad_request(f"input_audio format {fmt!r} is not supported; send wav", where)
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (ValueError, binascii.Error) as error:
         raise bad_request(f"input_audio data is not base64: {error}", where) from error
+
+
+def check_wav(data: bytes, where: str, budget: MediaBudget | None = None) -> None:
+    """Count a WAV file's heard seconds against ``budget`` from its header. A header this cannot
+    read is left for ``decode_wav``, which says what is wrong with it."""
+    seconds = wav_seconds(data)
+    if budget is not None and seconds is not None:
+        budget.add_audio(min(seconds, HEARD_SECONDS), where)
+
+
+def decode_audio(payload: str, fmt: str, where: str, budget: MediaBudget | None = None):
+    data = audio_bytes(payload, fmt, where)
+    check_wav(data, where, budget)
     return decode_wav_upload(data, where)
 
 
@@ -50,3 +92,24 @@ def decode_wav_upload(data: bytes, where: str = "file"):
         return decode_wav(data)
     except ValueError as error:
         raise bad_request(f"cannot read the audio: {error}", where) from error
+
+
+def wav_seconds(data: bytes) -> float | None:
+    """A WAV file's length in seconds from its RIFF chunks (the data chunk's size, capped at the
+    bytes present, over the frame size and rate), or None when the header does not say."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    fmt, data_size, offset = None, None, 12
+    while offset + 8 <= len(data) and (fmt is None or data_size is None):
+        chunk_id, chunk_size = struct.unpack_from("<4sI", data, offset)
+        if chunk_id == b"fmt ":
+            fmt = data[offset + 8 : offset + 8 + min(chunk_size, 16)]
+        elif chunk_id == b"data":
+            data_size = min(chunk_size, len(data) - offset - 8)  # a streamed file may claim more
+        offset += 8 + chunk_size + (chunk_size & 1)
+    if fmt is None or len(fmt) < 16 or data_size is None:
+        return None
+    _, _, rate, _, block_align, _ = struct.unpack_from("<HHIIHH", fmt)
+    if rate == 0 or block_align == 0:
+        return None
+    return data_size // block_align / rate

@@ -1,11 +1,15 @@
-"""What ``GET /metrics`` reports, in Prometheus' text format (``prometheus_client``)."""
+"""What ``GET /metrics`` reports, in Prometheus' text format (``prometheus_client``), and the
+per-request log lines (``RequestLog``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -65,3 +69,45 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# ── the request log ─────────────────────────────────────────────────────────────────────────
+
+# One line per request at INFO: `torchgemma serve` sends it to stderr.
+logger = logging.getLogger("torchgemma.serving")
+
+# Characters of a prompt written to the log when prompts are logged at all.
+LOGGED_PROMPT_CHARS = 2000
+
+
+@dataclass
+class RequestLog:
+    """One request's log line, filled as it goes: the app's log middleware writes it once the
+    response has been sent; handlers hand it their prepared request (``log_request``)."""
+
+    method: str
+    path: str
+    client: str
+    started: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    # A handler's ``streaming.Prepared``: its prompt ids and, once the reply ended, its tokens.
+    prepared: Any = None
+
+    def line(self, tokenizer=None) -> str:
+        """``POST /v1/chat/completions 200 1.234s prompt_tokens=12 completion_tokens=30 client=...``;
+        with ``tokenizer``, the prompt's text too (``--log-prompts``), cut to LOGGED_PROMPT_CHARS."""
+        text = f"{self.method} {self.path} {self.status} {time.perf_counter() - self.started:.3f}s"
+        prepared = self.prepared
+        if prepared is not None:
+            text += f" prompt_tokens={len(prepared.input_ids)} completion_tokens={prepared.completion_tokens}"
+        text += f" client={self.client}"
+        if tokenizer is not None and prepared is not None:
+            prompt = tokenizer.decode(prepared.input_ids[:LOGGED_PROMPT_CHARS])[:LOGGED_PROMPT_CHARS]
+            text += f" prompt={prompt!r}"
+        return text
+
+
+def log_request(request, prepared) -> None:
+    """Give ``request``'s log line its prepared request (token counts; the prompt, if logged)."""
+    if request is not None and "torchgemma.log" in request.scope:
+        request.scope["torchgemma.log"].prepared = prepared

@@ -6,17 +6,24 @@ Built once by ``create_app`` (or by a test) and passed to each handler as its fi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ..generation.engine import Engine
 from ..llm import LLM
 from ..tokenizer import UnknownTokenError
 from ..version import __version__
-from .errors import APIError
+from .errors import APIError, bad_request
+from .limits import Limits
 from .metrics import Metrics
 from .runner import EngineRunner
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,8 +40,16 @@ class ServerState:
     created: int
     # What ends a chat reply: the checkpoint's end-of-sequence ids and the end of a turn.
     chat_stops: list[int]
+    limits: Limits = field(default_factory=Limits)
+    # Requests waiting for a slot (the runner's limit), also the bound on requests queued to be
+    # prepared: beyond it a request is a 503 before its body is worked on.
+    max_waiting: int = 64
     # One embedding batch at a time, off the event loop; generation keeps its own engine thread.
     embedding_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Where requests are prepared (template, tokenizer, media): off the event loop, so that /health
+    # and streams stay responsive while a large request is worked on; limits.prepare_threads at once.
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _preparing: int = 0
 
     @classmethod
     def build(
@@ -48,6 +63,7 @@ class ServerState:
         api_key: str | None = None,
         prefill_chunk: int = 512,
         engine: Engine | None = None,
+        limits: Limits | None = None,
     ) -> ServerState:
         """Start the engine thread over ``llm.model`` (or over ``engine``, whose ``max_len`` then
         sets the limit)."""
@@ -72,7 +88,7 @@ class ServerState:
             turn_end = [llm.tokenizer.turn_end_id]
         except UnknownTokenError:
             turn_end = []
-        return cls(
+        state = cls(
             llm=llm,
             runner=runner,
             metrics=metrics,
@@ -82,7 +98,11 @@ class ServerState:
             fingerprint=fingerprint,
             created=int(time.time()),
             chat_stops=list(dict.fromkeys([*llm.generation_config.eos_token_ids, *turn_end])),
+            limits=limits or Limits(),
+            max_waiting=max_waiting,
         )
+        _ = state.max_prompt_chars  # read the vocabulary now, not on the first request's event loop
+        return state
 
     @property
     def tokenizer(self):
@@ -92,6 +112,58 @@ class ServerState:
     def context_limit(self) -> int:
         """Prompt and reply together: the cache length, or the model's positions if fewer."""
         return min(self.max_len, self.llm.model.config.text.max_position_embeddings)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision tower torchgemma builds (or gemma4_unified's embedder)."""
+        config = self.llm.model.config
+        return (config.unified_vision if config.encoder_free else config.vision_config) is not None
+
+    @property
+    def takes_audio(self) -> bool:
+        return self.llm.takes_audio
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a prompt cannot fit the context, whatever its tokens: each token
+        covers at most as many characters as its longest piece has bytes. None when the tokenizer
+        may shrink text before splitting it (a normalizer other than Gemma's space -> "▁"), where
+        a character count proves nothing."""
+        backend = self.tokenizer.backend
+        normalizer = backend.normalizer
+        if normalizer is not None and normalizer.normalize_str(" ab c") != "\u2581ab\u2581c":
+            return None
+        longest = max((len(piece) for piece in self.tokenizer.token_bytes if piece), default=1)
+        return longest * self.context_limit
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a prompt of ``chars`` characters that cannot fit the context, without tokenizing it."""
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise bad_request(
+                f"the prompt has {chars:,} characters: more than {self.max_len} tokens of prompt and "
+                f"reply together (this server's limit) can hold, since no token covers more than "
+                f"{limit // self.context_limit} characters (refused before tokenizing)",
+                param,
+                "context_length_exceeded",
+            )
+
+    async def prepare(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the preparation threads; a 503 when more requests than the waiting
+        room holds are already queued there."""
+        if self._preparing >= self.limits.prepare_threads + self.max_waiting:
+            raise APIError(
+                503, f"the server is busy: {self._preparing} requests are being prepared; retry shortly"
+            )
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self.limits.prepare_threads, thread_name_prefix="torchgemma-prepare"
+            )
+        self._preparing += 1  # only the event loop's thread counts
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        finally:
+            self._preparing -= 1
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", self.model_name):
@@ -104,3 +176,5 @@ class ServerState:
 
     def close(self) -> None:
         self.runner.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
