@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 from .common import CLIError, importable, load_llm, prepare
-from .options import add_model_flags, int_at_least
+from .options import add_model_flags, float_where, int_at_least
+
+# The environment variable that can hold the API key (unlike --api-key, not shown by `ps`).
+API_KEY_ENV = "TORCHGEMMA_API_KEY"
+# Addresses that only this machine can reach: the Host check is on by default when bound to one.
+LOOPBACK_BINDS = ("127.0.0.1", "localhost", "::1")
+MiB = 1 << 20
 
 
 def add_parser(commands) -> None:
@@ -36,9 +45,93 @@ def add_parser(commands) -> None:
         default=64,
         help="requests queued for a slot before 503s (default: 64)",
     )
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API (visible to other users in `ps`: prefer "
+        f"--api-key-file or the {API_KEY_ENV} environment variable)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (its first line)",
+    )
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
+    )
+    limits = serve.add_argument_group(
+        "limits", "what one request may ask; checked before the work (a 413 or a 400 naming the limit)"
+    )
+    limits.add_argument(
+        "--max-request-bytes",
+        type=int_at_least(1),
+        default=8 * MiB,
+        help="largest request body, refused with 413 before it is read (default: 8 MiB)",
+    )
+    limits.add_argument(
+        "--max-media-per-request",
+        type=int_at_least(0),
+        default=16,
+        help="images and audio clips in one request (default: 16)",
+    )
+    limits.add_argument(
+        "--max-image-pixels",
+        type=int_at_least(1),
+        default=4096 * 4096,
+        help="pixels of one image, from its header before decoding (default: 4096*4096)",
+    )
+    limits.add_argument(
+        "--max-request-pixels",
+        type=int_at_least(1),
+        default=4 * 4096 * 4096,
+        help="pixels of all the images of one request (default: 4*4096*4096)",
+    )
+    limits.add_argument(
+        "--max-audio-seconds",
+        type=float_where(lambda x: x >= 0, "at least 0"),
+        default=120.0,
+        help="seconds of audio in one request, each clip counted up to the 30 s the model hears (default: 120)",
+    )
+    limits.add_argument(
+        "--prepare-threads",
+        type=int_at_least(1),
+        default=2,
+        help="requests tokenized and their media decoded at once, off the event loop (default: 2)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int_at_least(1),
+        default=256,
+        help="open connections; beyond them requests are answered 503 (default: 256)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=float_where(lambda x: x > 0, "positive"),
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (default: 5)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float_where(lambda x: x > 0, "positive"),
+        default=30.0,
+        help="seconds a connection may take to send a request's headers before it is closed (default: 30)",
+    )
+    hygiene = serve.add_argument_group("hosts and logs")
+    hygiene.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated names the Host header may give, any port ('*.example.com': subdomains; "
+        "'*': any). Default: localhost, 127.0.0.1 and [::1] when bound to loopback (against DNS "
+        "rebinding), any name otherwise",
+    )
+    hygiene.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="add each request's prompt (its first 2000 characters) to its log line; by default a "
+        "line has the method, path, status, time and token counts, never the prompt",
     )
     serve.set_defaults(func=run, parser=serve, quiet=False, verbose=False)
 
@@ -54,17 +147,39 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..serving.app import create_app
+    from ..serving.connections import header_timeout_protocol
+    from ..serving.limits import Limits
 
+    api_key = read_api_key(args)
+    allowed_hosts = allowed_host_names(args)
     llm = load_llm(args)
     name = args.served_model_name or str(args.model)
+    limits = Limits(
+        max_request_bytes=args.max_request_bytes,
+        max_media_per_request=args.max_media_per_request,
+        max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
+        max_audio_seconds=args.max_audio_seconds,
+        prepare_threads=args.prepare_threads,
+    )
     app = create_app(
         llm,
         model_name=name,
         max_batch_size=args.max_batch_size,
         max_len=args.max_len,
         max_waiting=args.max_waiting,
-        api_key=args.api_key,
+        api_key=api_key,
+        limits=limits,
+        allowed_hosts=allowed_hosts,
+        log_prompts=args.log_prompts,
     )
+    # One line per request on stderr (serving/metrics.py: RequestLog).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    request_log = logging.getLogger("torchgemma.serving")
+    request_log.addHandler(handler)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
     print(
         f"torchgemma serve: {name} at http://{args.host}:{args.port}/v1 "
         f"({args.max_batch_size} slots of {args.max_len} tokens; chat page at http://{args.host}:{args.port}/)",
@@ -73,5 +188,51 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn stops cleanly on Ctrl-C and SIGTERM (the app's shutdown stops the engine thread), then
     # re-raises the signal to the handler it found: SIGTERM then ends the process with status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        # Beyond this many open connections (or running requests) uvicorn answers 503.
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=header_timeout_protocol(args.header_timeout),
+    )
     return 0
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file (its first line) or $TORCHGEMMA_API_KEY, in that
+    order; at most one of the two flags."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise CLIError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        key = args.api_key
+    elif args.api_key_file is not None:
+        try:
+            text = args.api_key_file.expanduser().read_text(encoding="utf-8")
+        except OSError as error:
+            raise CLIError(
+                f"cannot read --api-key-file {str(args.api_key_file)!r}: {error.strerror}"
+            ) from error
+        key = text.splitlines()[0].strip() if text.strip() else ""
+        if not key:
+            raise CLIError(f"--api-key-file {str(args.api_key_file)!r} is empty")
+    else:
+        key = os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise CLIError("the API key is empty")
+    return key
+
+
+def allowed_host_names(args: argparse.Namespace) -> list[str] | None:
+    """--allowed-hosts as a list; by default the loopback names when bound to loopback, else None
+    (any name: behind a public name or a proxy, the operator says which)."""
+    if args.allowed_hosts is not None:
+        names = [name.strip() for name in args.allowed_hosts.split(",") if name.strip()]
+        if not names:
+            raise CLIError("--allowed-hosts is empty (give '*' to allow any host name)")
+        return None if "*" in names else names
+    from ..serving.app import LOOPBACK_HOSTS
+
+    return list(LOOPBACK_HOSTS) if args.host.strip("[]") in LOOPBACK_BINDS else None

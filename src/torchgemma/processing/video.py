@@ -36,6 +36,10 @@ from .image import PATCH_SIZE, POOLING_KERNEL, _check_budget, _pil_to_rgb, image
 DEFAULT_NUM_FRAMES = 32
 DEFAULT_VIDEO_SOFT_TOKENS = 70  # per frame
 DEFAULT_FPS = 24.0  # the reference's rate for frames given without one
+# Pixels of all the frames a video file keeps, decoded (3 bytes each): 2**28 holds 32 frames of
+# 3840x2160 (~0.8 GB). A file of a few MB can state 8K frames that would decode to many GB; the
+# header's size is checked before any frame is decoded.
+MAX_VIDEO_PIXELS = 1 << 28
 VIDEO_EXTRA_HINT = 'pip install "torchgemma[video]"'
 
 
@@ -145,35 +149,63 @@ def sample_video(video: VideoInput, num_frames: int | None = DEFAULT_NUM_FRAMES)
     return SampledVideo(chosen, indices.tolist(), DEFAULT_FPS if fps is None else float(fps))
 
 
-def load_video(path: str | Path, num_frames: int | None = DEFAULT_NUM_FRAMES) -> SampledVideo:
+def load_video(
+    path: str | Path, num_frames: int | None = DEFAULT_NUM_FRAMES, max_pixels: int | None = MAX_VIDEO_PIXELS
+) -> SampledVideo:
     """Decode a video file with PyAV, keeping the sampled frames, as transformers' ``read_video_pyav``:
     the frame count and rate are the stream's (``frames``, ``average_rate``), frames are decoded in
     order and converted to RGB by FFmpeg (``rgb24``). A stream that does not state its frame count is
-    decoded once to count them; one without a rate gets 24 fps."""
+    decoded once to count them; one without a rate gets 24 fps.
+
+    The kept frames may hold at most ``max_pixels`` pixels together (None: no limit): checked on the
+    stream's stated frame size before anything is decoded, and on each frame as it is decoded."""
     path, av = _video_file(path)
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container)
+            width, height = stream.codec_context.width, stream.codec_context.height
+            _check_video_pixels(path, 1, width, height, max_pixels)
             total = stream.frames or sum(1 for _ in container.decode(video=0))
             rate = stream.average_rate
             indices = sample_frame_indices(total, num_frames)
+            _check_video_pixels(path, len(indices), width, height, max_pixels)
             wanted, last = set(indices.tolist()), int(indices[-1])
             container.seek(0)
-            kept = []
+            kept: np.ndarray | None = None  # (n, H, W, 3), filled in place (no second copy to stack)
+            count = 0
             for index, frame in enumerate(container.decode(video=0)):
                 if index > last:
                     break
-                if index in wanted:
-                    kept.append(frame.to_ndarray(format="rgb24"))
+                if index not in wanted:
+                    continue
+                # The header may understate the frames' size: check each before converting it.
+                _check_video_pixels(path, len(indices), frame.width, frame.height, max_pixels)
+                if kept is None:
+                    kept = np.empty((len(indices), frame.height, frame.width, 3), dtype=np.uint8)
+                if (frame.height, frame.width) != kept.shape[1:3]:
+                    raise ValueError(
+                        f"frame {index} is {frame.width}x{frame.height}, the first kept one "
+                        f"{kept.shape[2]}x{kept.shape[1]}: the frames of a video must all have one size"
+                    )
+                kept[count] = frame.to_ndarray(format="rgb24")
+                count += 1
     except (av.FFmpegError, ValueError, OSError) as error:
         raise ValueError(f"cannot read video file {str(path)!r}: {error}") from error
-    if len(kept) != len(indices):
+    if count != len(indices):
         raise ValueError(
             f"cannot read video file {str(path)!r}: its stream states {total} frames but only "
-            f"{len(kept)} of the {len(indices)} sampled ones decoded"
+            f"{count} of the {len(indices)} sampled ones decoded"
         )
     fps = float(rate) if rate else DEFAULT_FPS
-    return SampledVideo(_channels_first(np.stack(kept)), indices.tolist(), fps)
+    return SampledVideo(_channels_first(kept), indices.tolist(), fps)
+
+
+def _check_video_pixels(path: Path, frames: int, width: int, height: int, max_pixels: int | None) -> None:
+    if max_pixels is not None and frames * width * height > max_pixels:
+        raise ValueError(
+            f"{frames} frame(s) of {width}x{height} would decode to {frames * width * height:,} pixels, "
+            f"more than the {max_pixels:,} allowed (load_video's max_pixels)"
+        )
 
 
 def probe_video(path: str | Path) -> tuple[int, float | None]:

@@ -96,10 +96,13 @@ class RequestLog:
     def line(self, tokenizer=None) -> str:
         """``POST /v1/chat/completions 200 1.234s prompt_tokens=12 completion_tokens=30 client=...``;
         with ``tokenizer``, the prompt's text too (``--log-prompts``), cut to LOGGED_PROMPT_CHARS."""
-        text = f"{self.method} {self.path} {self.status} {time.perf_counter() - self.started:.3f}s"
+        # No status: the client left before a response began.
+        status = self.status if self.status is not None else "-"
+        text = f"{self.method} {self.path} {status} {time.perf_counter() - self.started:.3f}s"
         prepared = self.prepared
         if prepared is not None:
-            text += f" prompt_tokens={len(prepared.input_ids)} completion_tokens={prepared.completion_tokens}"
+            generated = getattr(prepared, "completion_tokens", "-")  # set when the reply ended
+            text += f" prompt_tokens={len(prepared.input_ids)} completion_tokens={generated}"
         text += f" client={self.client}"
         if tokenizer is not None and prepared is not None:
             prompt = tokenizer.decode(prepared.input_ids[:LOGGED_PROMPT_CHARS])[:LOGGED_PROMPT_CHARS]
