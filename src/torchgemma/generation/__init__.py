@@ -1,10 +1,11 @@
 """Generation: sampling as pure functions; the engine; prefill, decode step, streaming iterator, ``generate``."""
 
 from .config import GenerationConfig
-from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, StepOutput, TokenLogprobs
+from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, NonFiniteLogits, StepOutput, TokenLogprobs
 from .generate import GenerationStats, decode_step, generate, prefill, stream
 from .sampling import (
     SamplingParams,
+    apply_logit_bias,
     apply_repetition_penalty,
     apply_temperature,
     min_p_filter,
@@ -20,9 +21,11 @@ __all__ = [
     "Engine",
     "GenerationConfig",
     "GenerationStats",
+    "NonFiniteLogits",
     "SamplingParams",
     "StepOutput",
     "TokenLogprobs",
+    "apply_logit_bias",
     "apply_repetition_penalty",
     "apply_temperature",
     "decode_step",

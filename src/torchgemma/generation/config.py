@@ -74,11 +74,13 @@ class GenerationConfig:
         min_p: float | None = None,
         repetition_penalty: float | None = None,
         seed: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> SamplingParams:
         """Sampling parameters: what the caller set, the checkpoint's defaults for the rest.
 
         Without an explicit temperature the checkpoint's ``do_sample`` decides: its temperature
-        when sampling, greedy otherwise. ``temperature=0`` is always greedy.
+        when sampling, greedy otherwise. ``temperature=0`` (or below 0.01) is always greedy.
+        ``logit_bias`` (token id -> bias in [-100, 100]) has no checkpoint default.
         """
         if temperature is None:
             temperature = self.temperature if self.do_sample else 0.0
@@ -89,6 +91,7 @@ class GenerationConfig:
             min_p=self.min_p if min_p is None else min_p,
             repetition_penalty=self.repetition_penalty if repetition_penalty is None else repetition_penalty,
             seed=seed,
+            logit_bias=logit_bias,
         )
 
 

@@ -5,24 +5,32 @@ A constraint is a small stateful object the engine consults for one request:
     constraint.allows(token_id) -> bool    would the reply still be valid with this token?
     constraint.advance(token_id)           the token was chosen
     constraint.complete -> bool            the reply is a whole JSON object
+    constraint.allowed_tokens(budget)      the allowed ids, found with at most ~budget steps of work
 
 The engine draws a token as usual (greedy or sampled, after every filter); if the constraint refuses
-it, that token's logit is masked and the draw repeats. Masking and redrawing samples exactly the
-distribution restricted to the allowed tokens, and costs nothing while the model writes valid JSON
-anyway (the usual case when asked for JSON).
+it, the engine draws again from the same distribution (rejection sampling: exactly the distribution
+restricted to the allowed tokens), which costs nothing while the model writes valid JSON anyway
+(the usual case when asked for JSON). Only when many draws are refused does it ask for the allowed
+set (``Engine._constrained``): a walk of the vocabulary sorted by bytes, which feeds each shared
+prefix once and stops at the first refused byte, so its cost follows the allowed prefixes, not the
+vocabulary's size, and is capped per step.
 
 ``JSONObject`` checks bytes with a pushdown recognizer of RFC 8259 JSON whose top-level value must be
 an object. Stop tokens are allowed only once the object is closed; special tokens never; runs of
-whitespace are capped so that the model cannot pad forever.
+whitespace are capped so that the model cannot pad forever, and nesting at ``MAX_DEPTH`` levels.
 """
 
 from __future__ import annotations
 
-import copy
+import bisect
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 # Longest run of whitespace allowed between JSON tokens.
 MAX_WHITESPACE = 16
+# Deepest nesting of objects and arrays: each level is a new recognizer state (a new walk of the
+# vocabulary when the engine needs the allowed set), and no reply needs more.
+MAX_DEPTH = 64
 
 _WHITESPACE = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -51,7 +59,9 @@ class JSONPrefix:
         return self.expect == "done"
 
     def copy(self) -> JSONPrefix:
-        clone = copy.copy(self)
+        # (A plain __dict__ copy: copy.copy's generic path doubled the cost of a vocabulary walk.)
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
         clone.stack = list(self.stack)  # the one mutable field
         return clone
 
@@ -116,6 +126,8 @@ class JSONPrefix:
             self.scalar, self.string_is_key = "string", False
             return True
         if byte in (ord("{"), ord("[")):
+            if len(self.stack) >= MAX_DEPTH:
+                return False
             self.stack.append(byte)
             self.expect = "key_or_end" if byte == ord("{") else "value_or_end"
             return True
@@ -182,6 +194,70 @@ class JSONPrefix:
         self.number = transitions[key]
         return True
 
+    def key(self) -> tuple:
+        """Everything that decides what may follow: equal keys accept the same bytes."""
+        return (
+            self.expect,
+            self.scalar,
+            self.string_is_key,
+            self.escape,
+            self.number,
+            self.literal,
+            self.whitespace,
+            tuple(self.stack),
+        )
+
+
+class SortedVocabulary:
+    """A vocabulary's tokens sorted by their bytes: the tokens that start with a prefix are one
+    contiguous run, so a recognizer can walk all tokens as a trie without building one."""
+
+    def __init__(self, vocabulary: Sequence[bytes | None]):
+        self.ids = sorted(
+            (token for token, data in enumerate(vocabulary) if data), key=vocabulary.__getitem__
+        )
+        self.keys = [vocabulary[token] for token in self.ids]
+        # Allowed sets already found whole, by recognizer state (shared by every request).
+        self.found: OrderedDict[tuple, list[int]] = OrderedDict()
+
+    def accepted(self, start: JSONPrefix, budget: int) -> tuple[list[int], bool]:
+        """The ids whose bytes ``start`` accepts, feeding at most ``budget`` bytes; and whether the
+        walk finished (False: the ids found before the budget ran out)."""
+        keys, ids, out = self.keys, self.ids, []
+        # (recognizer after the prefix, prefix length, run [lo, hi) of tokens with that prefix)
+        pending = [(start, 0, 0, len(keys))]
+        while pending:
+            state, depth, lo, hi = pending.pop()
+            while lo < hi and len(keys[lo]) == depth:  # tokens that are exactly the prefix
+                out.append(ids[lo])
+                lo += 1
+            while lo < hi:
+                byte = keys[lo][depth]
+                prefix = keys[lo][: depth + 1]
+                end = hi if byte == 255 else bisect.bisect_left(keys, prefix[:-1] + bytes([byte + 1]), lo, hi)
+                if budget <= 0:
+                    return out, False
+                budget -= 1
+                child = state.copy()
+                if child.feed(byte):
+                    pending.append((child, depth + 1, lo, end))
+                lo = end
+        return out, True
+
+
+# One sorted vocabulary per tokenizer vocabulary in use (kept with it, so the id stays its own).
+_SORTED: dict[int, tuple[Sequence, SortedVocabulary]] = {}
+MAX_CACHED_STATES = 256
+
+
+def sorted_vocabulary(vocabulary: Sequence[bytes | None]) -> SortedVocabulary:
+    entry = _SORTED.get(id(vocabulary))
+    if entry is None or entry[0] is not vocabulary:
+        if len(_SORTED) >= 4:
+            _SORTED.clear()
+        entry = _SORTED[id(vocabulary)] = (vocabulary, SortedVocabulary(vocabulary))
+    return entry[1]
+
 
 class JSONObject:
     """The constraint for ``response_format: json_object`` over a vocabulary given as bytes.
@@ -194,6 +270,25 @@ class JSONObject:
         self.vocabulary = vocabulary
         self.stop_ids = frozenset(stop_ids)
         self.prefix = JSONPrefix()
+
+    def allowed_tokens(self, budget: int) -> list[int]:
+        """Every id allowed now, or if finding them all would feed more than ``budget`` bytes, those
+        found within it (sets found whole are remembered per recognizer state)."""
+        index = sorted_vocabulary(self.vocabulary)
+        key = self.prefix.key()
+        allowed = index.found.get(key)
+        if allowed is None:
+            allowed, whole = index.accepted(self.prefix, budget)
+            allowed = [t for t in allowed if t not in self.stop_ids]
+            if whole:
+                index.found[key] = allowed
+                if len(index.found) > MAX_CACHED_STATES:
+                    index.found.popitem(last=False)
+        else:
+            index.found.move_to_end(key)
+        if self.prefix.complete:
+            allowed = allowed + sorted(self.stop_ids)
+        return allowed
 
     @property
     def complete(self) -> bool:

@@ -15,6 +15,10 @@ The names follow vLLM's ``LLMEngine``. Each ``step()``:
 3. runs one decode step over every request that already had a token, all in one forward pass;
 4. frees the slots of finished requests (usable by the next step's admissions).
 
+A request's failure is its own: an exception while choosing its token (its sampling settings, its
+constraint, non-finite logits from the model) ends that request alone with ``finish_reason
+"error"``; only a failed forward pass fails the requests that shared it.
+
 A request gets what it would get alone: its prefill chunks do not depend on the others, its rows in
 the batched decode are computed row by row where the arithmetic could differ (attention spans), and
 sampling uses its own parameters, history and generator. On CPU in bf16 that holds to the bit with
@@ -35,16 +39,26 @@ from ..model import Gemma
 from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
-from .sampling import SamplingParams, next_token
+from .invariance import RowProbe
+from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
-# Refused draws of a constrained request before a full scan of the vocabulary.
-MAX_REDRAWS = 256
+# A constrained request whose draw is refused tries this many more draws (or, greedy, the next most
+# likely tokens) before it asks for the allowed set itself.
+CONSTRAINT_CANDIDATES = 64
+# The work of finding a constrained request's allowed set, per step: bytes fed to the JSON
+# recognizer (JSONObject.allowed_tokens), or for another constraint the number of most likely
+# tokens asked. One request's format must not stall every other request of its batch.
+CONSTRAINT_BUDGET = 4096
 
 # A request's multimodal inputs, as transformers' Gemma 4 processor names them (MediaInputs' fields).
 MEDIA_INPUTS = tuple(f.name for f in fields(MediaInputs))
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN or inf: no token can be chosen from them."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,8 @@ class StepOutput:
 
     ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or a
     constraint that allows nothing more), ``"length"`` (its token budget) or ``"error"`` (its own
-    inputs or its prefill failed: ``error`` says why, ``token_id`` is None). ``logprobs`` is set
-    for requests that asked for them.
+    inputs, its prefill, its sampling or constraint, or the model's logits for it failed: ``error``
+    says why, ``token_id`` is None). ``logprobs`` is set for requests that asked for them.
     """
 
     request_id: Hashable
@@ -138,6 +152,7 @@ class Engine:
         cache: KVCache | None = None,
         preallocate: bool = True,
         greedy_head: bool = True,
+        batch_invariant: bool | None = None,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -164,6 +179,14 @@ class Engine:
         # the head's argmax alone, which a quantized head finds without computing every logit
         # exactly (TextModel.greedy): the same token, ~30% less of the head's time on the CPU.
         self.greedy_head = greedy_head
+        # A request's bits the same alone and in any batch (generation/invariance.py): forwards over
+        # several requests run request by request where this machine's kernels would round a row
+        # differently in a larger call. On by default in bf16/fp16, where tokens depend on it;
+        # float32 batches differ from alone by rounding only (~1e-6 relative per product).
+        if batch_invariant is None:
+            batch_invariant = model.dtype in (torch.bfloat16, torch.float16)
+        self.batch_invariant = batch_invariant
+        self._row_probe: RowProbe | None = None
 
     # ── the contract ─────────────────────────────────────────────────────────────────────────
 
@@ -190,8 +213,8 @@ class Engine:
         for this prompt; or ``embedded``, the prompt already embedded. ``logprobs=n``: each of the
         request's step outputs carries the token's log-probability and the ``n`` most likely
         tokens' (log-softmax of the model's float32 logits, before any sampling filter).
-        ``constraint`` (e.g. ``constraints.JSONObject``) vetoes tokens: a refused draw is masked and
-        drawn again.
+        ``constraint`` (e.g. ``constraints.JSONObject``) vetoes tokens: a refused draw is drawn again
+        (see ``_constrained``).
         """
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already queued or running")
@@ -218,6 +241,12 @@ class Engine:
                 f"request {request_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}"
             )
         params = config.sampling() if sampling is None else sampling
+        vocab = self.model.config.text.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias names token {params.logit_bias[-1][0]}, outside the "
+                f"vocabulary [0, {vocab})"
+            )
         stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         seed = params.seed
         request = Request(
@@ -253,9 +282,14 @@ class Engine:
                 except Exception as error:  # noqa: BLE001 - reported per request
                     outputs += [self._fail(request, error) for request in group]
                     continue
-                outputs += [self._emit(request, choice) for request, choice in zip(members, choices)]
+                outputs += [self._emit_or_fail(request, choice) for request, choice in zip(members, choices)]
             if decoding:
-                outputs += [self._emit(r, choice) for r, choice in zip(decoding, self._decode(decoding))]
+                # The decode forward is shared: if it fails (nobody's input), its members fail.
+                try:
+                    choices = self._decode(decoding)
+                except Exception as error:  # noqa: BLE001 - reported per request
+                    return outputs + [self._fail(request, error) for request in decoding]
+                outputs += [self._emit_or_fail(request, choice) for request, choice in zip(decoding, choices)]
         return outputs
 
     def abort_request(self, request_id: Hashable) -> None:
@@ -287,28 +321,62 @@ class Engine:
         request.embedded = None
         request.media = None
 
-    def _constrained(self, request: Request, logits: torch.Tensor, token: int, history) -> int:
-        """The draw again and again, refused tokens masked, until the constraint accepts one."""
-        constraint = request.constraint
-        masked = None
-        for _ in range(MAX_REDRAWS):
-            if constraint.allows(token):
-                break
-            masked = logits.clone() if masked is None else masked
-            masked[0, token] = float("-inf")
-            if torch.isinf(masked).all():
-                break
-            token = int(next_token(masked, request.params, generator=request.generator, history=history)[0])
+    def _constrained(self, request: Request, logits: torch.Tensor, history) -> int:
+        """A token the request's constraint allows, at a bounded cost per step.
+
+        1. The usual draw (greedy or sampled, every filter applied): what the model writes when it
+           follows the format, at no extra cost.
+        2. If refused: ``CONSTRAINT_CANDIDATES`` more draws from the same distribution, the first
+           allowed one taken (rejection sampling: a draw from the distribution restricted to the
+           allowed tokens), or greedy, the next most likely tokens in order.
+        3. If all are refused (a model far from the format, or a temperature that flattens the
+           distribution over a vocabulary mostly refused): the allowed set itself, found within
+           ``CONSTRAINT_BUDGET`` (``constraint.allowed_tokens(budget)`` when the constraint has it,
+           else a scan of that many most likely tokens), the logits of the rest masked, one draw.
+        """
+        constraint, params, generator = request.constraint, request.params, request.generator
+        scores = process_logits(logits, params, history)
+        check_scores(scores)
+        probs = None if params.greedy else scores.softmax(dim=-1)
+        if params.greedy:
+            token = int(scores[0].argmax())
         else:
-            # Past the cap (a model far from the format): the most likely allowed token, by a full scan.
-            allowed = [t for t in torch.argsort(logits[0], descending=True).tolist() if constraint.allows(t)]
-            token = allowed[0] if allowed else token
+            token = int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
         if constraint.allows(token):
             constraint.advance(token)
+            return token
+        count = min(CONSTRAINT_CANDIDATES, scores.shape[-1])
+        if params.greedy:
+            candidates = scores[0].topk(count).indices.tolist()
         else:
+            candidates = torch.multinomial(probs[0], count, replacement=True, generator=generator).tolist()
+        for candidate in candidates:
+            if constraint.allows(candidate):
+                constraint.advance(candidate)
+                return candidate
+        finder = getattr(constraint, "allowed_tokens", None)
+        if finder is not None:
+            allowed = finder(CONSTRAINT_BUDGET)
+        else:
+            likely = logits[0].topk(min(CONSTRAINT_BUDGET, logits.shape[-1])).indices.tolist()
+            allowed = [t for t in likely if constraint.allows(t)]
+        if not allowed:
             # Nothing is allowed (e.g. the object is complete and no stop token exists): end here.
             request.finish_reason = "stop"
+            return token
+        masked = torch.full_like(logits, float("-inf"))
+        index = torch.tensor(allowed, device=logits.device)
+        masked[0, index] = logits[0, index]
+        token = int(next_token(masked, params, generator=generator, history=history)[0])
+        constraint.advance(token)
         return token
+
+    def _emit_or_fail(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
+        """``_emit``, or if choosing this request's token raised, its failure alone."""
+        try:
+            return self._emit(request, choice)
+        except Exception as error:  # noqa: BLE001 - this request's own sampling: it alone fails
+            return self._fail(request, error)
 
     def _emit(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
         """Pick the request's next token from its logits (1, V), or take the one already chosen
@@ -318,12 +386,21 @@ class Engine:
             token = choice
         else:
             logits = choice
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogits(
+                    f"the model produced non-finite logits (NaN or inf) for request {request.request_id!r} "
+                    f"at its token {len(request.output)}: its weights or activations are broken "
+                    "(a checkpoint with NaN or inf values, or a dtype that overflows)"
+                )
             history = None
             if request.params.repetition_penalty not in (None, 1.0):
                 history = torch.tensor([request.prompt + request.output], device=logits.device)
-            token = int(next_token(logits, request.params, generator=request.generator, history=history)[0])
             if request.constraint is not None:
-                token = self._constrained(request, logits, token, history)
+                token = self._constrained(request, logits, history)
+            else:
+                token = int(
+                    next_token(logits, request.params, generator=request.generator, history=history)[0]
+                )
             if request.logprobs is not None:
                 logprobs = _logprobs(logits[0], token, request.logprobs)
         request.output.append(token)
@@ -360,8 +437,9 @@ class Engine:
         return list(groups.values()), failed
 
     def _fail(self, request: Request, error: Exception) -> StepOutput:
-        self._release(request)
-        del self.requests[request.request_id]
+        if request.slot is not None and self._running.get(request.slot) is request:
+            self._release(request)
+        self.requests.pop(request.request_id, None)
         return StepOutput(request.request_id, None, True, "error", error=error)
 
     def _next_chunk(self, request: Request) -> tuple[int, int]:
@@ -375,9 +453,24 @@ class Engine:
                 end += 1
         return start, end
 
+    def _rows_apart(self, rows_alone: list[int]) -> bool:
+        """Whether a forward over requests of these row counts must run request by request."""
+        if not self.batch_invariant or len(rows_alone) < 2 or self._compiled is not None:
+            return False
+        if self._row_probe is None:  # once, at the first forward over several requests
+            self._row_probe = RowProbe.run(self.model.language_model, self.max_batch_size, self.model.dtype)
+        return self._row_probe.split(rows_alone)
+
     def _prefill(self, group: list[Request]) -> tuple[list[Request], list]:
         """The next chunk of each request of a group in one forward: the requests whose prompt
         that chunk completes, and what picks each one's first token (``_choices``)."""
+        if self._rows_apart([end - start for start, end in map(self._next_chunk, group)]):
+            members, choices = [], []
+            for request in group:
+                done, chosen = self._prefill([request])
+                members += done
+                choices += chosen
+            return members, choices
         model, device = self.model, self.model.device
         chunks = [self._next_chunk(request) for request in group]
         embedded = group[0].embedded
@@ -416,9 +509,16 @@ class Engine:
             if self.greedy_head
             and r.params.greedy
             and r.params.repetition_penalty in (None, 1.0)
+            and not r.params.logit_bias
             and r.constraint is None
             and r.logprobs is None
         ]
+        if plain:
+            # The argmax of NaN logits is token 0, forever: a row whose hidden state is not finite
+            # takes the logits path instead, where _emit refuses it with the reason (H values per
+            # row, not V, for everyone else).
+            finite = torch.isfinite(normed[plain]).all(dim=-1).tolist()
+            plain = [i for i, ok in zip(plain, finite) if ok]
         rest = [i for i in range(len(requests)) if i not in plain]
         choices: list[torch.Tensor | int] = [0] * len(requests)
         if plain:
@@ -444,6 +544,8 @@ class Engine:
     def _decode(self, requests: list[Request]) -> list[torch.Tensor | int]:
         """One token for each decoding request, in one forward pass: what picks each one's token
         (``_choices``)."""
+        if self._rows_apart([1] * len(requests)):
+            return [choice for request in requests for choice in self._decode([request])]
         device = self.model.device
         slots = [r.slot for r in requests]
         last = [r.output[-1] for r in requests]

@@ -194,8 +194,10 @@ def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats)
 
 
 def _raise_failure(output: StepOutput) -> None:
-    # A row's prefill can only fail for reasons that are nobody's input here (its media were
-    # embedded before the first step): the whole call fails, as a forward pass would.
+    # A row fails for reasons that are the call's own here (its media were embedded before the first
+    # step; its sampling settings are every row's; non-finite logits come from the model's
+    # weights): the whole call fails with the row's error (e.g. NonFiniteLogits), as a forward
+    # pass would, instead of reporting a token chosen from NaN.
     if output.error is not None:
         raise output.error
 
@@ -275,7 +277,7 @@ def generate(
     * ``sampling``: a ``SamplingParams`` for every row; None takes ``generation_config``'s defaults
       (a ``GenerationConfig`` or the dict of a ``generation_config.json``; without one, decoding is
       greedy). ``GenerationConfig.sampling(temperature=...)`` sets some and takes the config's
-      defaults for the rest. ``temperature=0`` is always greedy. Its ``seed`` makes sampling
+      defaults for the rest. ``temperature=0`` (or below 0.01) is always greedy. Its ``seed`` makes sampling
       reproducible (a private ``torch.Generator`` per row); without it sampling draws from torch's
       global RNG.
     * ``stop_token_ids``: a row stops after producing one of these. None means

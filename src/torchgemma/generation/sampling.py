@@ -2,18 +2,34 @@
 
 Each filter has the semantics of the transformers 5.23 logits processor of the same purpose
 (``generation/logits_process.py``) and ``next_token`` applies them in the order transformers'
-``generate`` builds them: repetition penalty (which also applies to greedy decoding), then, when
-sampling, temperature, top-k, top-p and min-p, then a multinomial draw from the softmax. Logits are
-processed in float32, as transformers casts them before its processors.
+``generate`` builds them: logit bias (``SequenceBiasLogitsProcessor``'s place), repetition penalty
+(both also apply to greedy decoding), then, when sampling, temperature, top-k, top-p and min-p, then
+a multinomial draw from the softmax. Logits are processed in float32, as transformers casts them
+before its processors.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 NEG_INF = float("-inf")
+
+# Below this temperature a request decodes greedily. Sampling at T draws a token other than the
+# argmax only against logits within a few T of it, so below 0.01 the draw is the argmax but for
+# near-ties; and dividing float32 logits by a temperature near 0 overflows to inf, whose softmax
+# is NaN (temperature=1e-40 did). vLLM clamps such temperatures to 0.01 for the same reason.
+MIN_TEMPERATURE = 1e-2
+# OpenAI's logit_bias range. The lowest value bans the token (its logit becomes -inf, as
+# transformers' bad_words_ids and suppress_tokens do): adding -100 alone would not ban it at a
+# high temperature (-100 / T), and OpenAI says -100 "should result in a ban".
+MAX_LOGIT_BIAS = 100.0
+# A repetition penalty further from 1 than this only saturates (a seen token becomes certain or
+# impossible); near 0 or infinity it overflows float32 logits to inf (transformers only asks > 0).
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -21,9 +37,15 @@ class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy; a filter set to None is off.
 
     ``top_k = 0`` and ``top_p = 1`` are off too, and ``repetition_penalty = 1`` changes nothing,
-    as in transformers. ``seed`` gives each request (each row of a batch) its own generator, so it
-    draws what it would draw alone; None draws from torch's global RNG.
-    ``GenerationConfig.sampling`` fills what a caller leaves unset from a checkpoint's defaults.
+    as in transformers. A temperature below ``MIN_TEMPERATURE`` (0.01) is greedy as well: the
+    limit of sampling as T -> 0, and what a client sending 0.001 means. ``seed`` gives each request
+    (each row of a batch) its own generator, so it draws what it would draw alone; None draws from
+    torch's global RNG. ``logit_bias`` maps token ids to a bias in [-100, 100] added to their logits
+    before anything else (OpenAI's field; -100 bans the token); it is kept as sorted (id, bias)
+    pairs. ``GenerationConfig.sampling`` fills what a caller leaves unset from a checkpoint's
+    defaults.
+
+    Every value that could turn finite logits into NaN or inf is refused here, with the field's name.
     """
 
     temperature: float = 0.0
@@ -32,10 +54,13 @@ class SamplingParams:
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}"
+            )
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0
         ):
@@ -44,12 +69,49 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty is not None and not (
+            1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 is off), got {self.repetition_penalty}"
+            )
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias) or None)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+
+def _checked_bias(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (id, bias) pairs, each checked; the vocabulary's size is checked
+    where it is known (``Engine.add_request``)."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    checked = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias[{token}] must be a number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}"
+            )
+        checked[token] = float(value)
+    return tuple(sorted(checked.items()))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """Add each (id, bias) to that id's logit in every row; a bias of -100 bans the id (-inf)."""
+    vocab = logits.shape[-1]
+    ids = [token for token, _ in bias]
+    if ids and max(ids) >= vocab:
+        raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {vocab} tokens")
+    index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    values = values.masked_fill(values <= -MAX_LOGIT_BIAS, NEG_INF)
+    return logits.index_add(-1, index, values.expand(logits.shape[0], -1))
 
 
 def apply_repetition_penalty(
@@ -117,6 +179,8 @@ def process_logits(
 ) -> torch.Tensor:
     """The scores ``next_token`` draws from: float32 logits after every active filter, in order."""
     scores = logits.float()
+    if params.logit_bias:
+        scores = apply_logit_bias(scores, params.logit_bias)
     if params.repetition_penalty not in (None, 1.0):
         if history is None:
             raise ValueError("repetition_penalty needs the token history")
@@ -148,7 +212,22 @@ def next_token(
     transformers' ``generate`` and ``generator = torch.Generator().manual_seed(s)`` here draw alike.
     """
     scores = process_logits(logits, params, history, history_mask)
+    check_scores(scores)
     if params.greedy:
         return scores.argmax(dim=-1)
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def check_scores(scores: torch.Tensor) -> None:
+    """Refuse rows with nothing to choose from: NaN anywhere (argmax would pick it, multinomial
+    fails), +inf, or every token at -inf (all banned). One reduction per row: NaN propagates
+    through ``amax``."""
+    best = scores.amax(dim=-1)
+    if not torch.isfinite(best).all():
+        value = best[~torch.isfinite(best)][0].item()
+        if math.isnan(value) or value > 0:
+            raise ValueError(f"the scores to sample from are not finite (a row's maximum is {value})")
+        raise ValueError(
+            "no token can be chosen: every token's score is -inf (e.g. logit_bias bans them all)"
+        )
