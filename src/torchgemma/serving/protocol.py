@@ -96,6 +96,8 @@ class SamplingFields(_Model):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    # OpenAI's map of token id (a JSON key, so a string of digits) -> bias; checked in sampling_args.
+    logit_bias: dict[int, float] | None = None
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool = False

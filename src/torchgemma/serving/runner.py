@@ -8,11 +8,16 @@ their request (or an abort) in the inbox and read their own queue. A request's q
 ``Token`` per generated token, then ``None`` when it finished; an ``Exception`` if it failed.
 The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``submit`` raises
 ``Busy`` (the server answers 503 with Retry-After).
+
+The engine thread outlives every request: a request's own failure reaches that request alone (the
+engine reports it as a step output), a request whose event loop has closed is aborted, and an
+unexpected error in the loop fails the requests in flight, not the thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -99,28 +104,35 @@ class EngineRunner:
     # ── the engine thread ────────────────────────────────────────────────────────────────────
 
     def _run(self) -> None:
-        engine = self.engine
         while not self._closed.is_set():
-            # Block for work when idle; otherwise take what arrived and step.
-            self._drain(block=not engine.has_unfinished_requests())
-            if not engine.has_unfinished_requests():
-                continue
-            started = time.perf_counter()
             try:
-                outputs = engine.step()
-            except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the server
+                self._iterate()
+            except Exception as error:  # noqa: BLE001 - a bug here fails what is in flight, not the thread
                 self._fail_all(error)
-                continue
-            now = time.perf_counter()
-            tokens = 0
-            for output in outputs:
-                if output.error is not None:
-                    self._end(output.request_id, output.error)
-                else:
-                    self._deliver(output, now)
-                    tokens += 1
-            if self.metrics is not None:
-                self.metrics.step(tokens, now - started)
+
+    def _iterate(self) -> None:
+        engine = self.engine
+        # Block for work when idle; otherwise take what arrived and step.
+        self._drain(block=not engine.has_unfinished_requests())
+        if not engine.has_unfinished_requests():
+            return
+        started = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except Exception as error:  # noqa: BLE001 - the engine reports requests' own failures as
+            # outputs; a step that raises anyway leaves nothing to trust: its requests fail.
+            self._fail_all(error)
+            return
+        now = time.perf_counter()
+        tokens = 0
+        for output in outputs:
+            if output.error is not None:
+                self._end(output.request_id, output.error)
+            else:
+                self._deliver(output, now)
+                tokens += 1
+        if self.metrics is not None:
+            self.metrics.step(tokens, now - started)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -154,18 +166,33 @@ class EngineRunner:
             if self.metrics is not None:
                 self.metrics.first_token(now - subscriber.submitted)
         subscriber.tokens += 1
-        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, token)
-        if token.finished:
+        if not _notify(subscriber, token):
+            # Nobody can receive it (the client's event loop has closed): free its slot.
+            self.engine.abort_request(request_id)
+            self._end(request_id, None, notify=False)
+        elif token.finished:
             self._end(request_id, None)
 
     def _end(self, request_id: Hashable, error: Exception | None, notify: bool = True) -> None:
         subscriber = self._subscribers.pop(request_id, None)
+        if subscriber is None:
+            return  # already ended (aborted, or failed earlier)
         with self._lock:
             self._in_flight -= 1
-        if subscriber is not None and notify:
-            subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, error)
+        if notify:
+            _notify(subscriber, error)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._subscribers):
-            self.engine.abort_request(request_id)
+            with contextlib.suppress(Exception):  # the engine is already broken: end the request anyway
+                self.engine.abort_request(request_id)
             self._end(request_id, RuntimeError(f"generation failed: {error}"))
+
+
+def _notify(subscriber: _Subscriber, item: Any) -> bool:
+    """Hand ``item`` to the subscriber's queue on its event loop; False if that loop has closed."""
+    try:
+        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True

@@ -15,9 +15,13 @@ from .state import ServerState
 def sampling_args(
     state: ServerState, body, prompt_len: int, max_tokens: int | None, stop_ids
 ) -> dict[str, Any]:
-    """``body``'s sampling fields (temperature, top_k, top_p, min_p, repetition_penalty, seed) as
-    one ``SamplingParams`` (the checkpoint's defaults for those unset), the reply's length and stop
-    ids, as the engine takes them; counts the prompt's tokens once accepted."""
+    """``body``'s sampling fields (temperature, top_k, top_p, min_p, repetition_penalty, seed,
+    logit_bias) as one ``SamplingParams`` (the checkpoint's defaults for those unset), the reply's
+    length and stop ids, as the engine takes them; counts the prompt's tokens once accepted.
+
+    Values that could make the sampler's numbers NaN are refused by ``SamplingParams`` (a 400
+    naming the field); a temperature below 0.01 decodes greedily (OpenAI's range is 0..2 and
+    accepts such values)."""
     room = state.context_limit - prompt_len
     if room <= 0:
         raise bad_request(
@@ -33,6 +37,12 @@ def sampling_args(
             "max_tokens",
             "context_length_exceeded",
         )
+    vocab = state.llm.model.config.text.vocab_size
+    outside = sorted(t for t in body.logit_bias or {} if not 0 <= t < vocab)
+    if outside:
+        raise bad_request(
+            f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})", "logit_bias"
+        )
     try:
         sampling = state.llm.generation_config.sampling(
             temperature=body.temperature,
@@ -41,9 +51,12 @@ def sampling_args(
             min_p=body.min_p,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
+            logit_bias=body.logit_bias,
         )
     except ValueError as error:
-        raise bad_request(str(error)) from error
+        # SamplingParams' messages start with the field's name ("temperature must be ...").
+        field = str(error).split(" ", 1)[0].split("[", 1)[0]
+        raise bad_request(str(error), field if hasattr(body, field) else None) from error
     state.metrics.prompt_tokens.inc(prompt_len)
     return {"sampling": sampling, "max_new_tokens": max_tokens or room, "stop_token_ids": stop_ids}
 

@@ -4,6 +4,9 @@ A request's tokens become text through its own stream decoder, then Gemma's repl
 OpenAI's fields (``replies.ReplyStream``: content, reasoning_content, tool_calls), then user stop
 strings cut the content (``replies.StopStrings``). Streaming and non-streaming responses run the same
 pipeline (``generate``); a non-streaming response is the streamed deltas joined (``collect``).
+
+While a request runs, its connection is polled every ``DISCONNECT_POLL_SECONDS`` whatever the token
+rate: a client that went away frees its slot within that time, streaming or not.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from .errors import APIError
 from .runner import Busy, Token
 from .state import ServerState
 
+DISCONNECT_POLL_SECONDS = 0.2
+# Put in a request's token queue when its client went away.
+DISCONNECTED = object()
+
 
 @dataclass
 class Prepared:
@@ -40,6 +47,8 @@ class Prepared:
     raw: bool = False
     # completions with echo: the prompt's text, given back before the completion.
     echo: str = ""
+    # Tokens generated, set when the reply ends (the request log reads it).
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -80,6 +89,9 @@ async def generate(
         request_id, tokens = runner.submit(prepared.input_ids, **prepared.engine_args)
     except Busy as error:
         raise APIError(503, f"the server is busy: {error}; retry shortly") from error
+    watcher = None
+    if request is not None:
+        watcher = asyncio.create_task(watch_disconnect(state, request, tokens, request_id))
     decoder = state.tokenizer.stream_decoder()
     parser = RawText() if prepared.raw else ReplyStream(tools=prepared.tools)
     stops = StopStrings(prepared.stops)
@@ -106,7 +118,9 @@ async def generate(
         for event in convert(parser.push(prepared.prefix)) if prepared.prefix else []:
             yield event
         while True:
-            token = await next_token(state, request, tokens, request_id)
+            token = await tokens.get()
+            if token is DISCONNECTED:
+                raise asyncio.CancelledError
             if token is None:
                 break
             if isinstance(token, Exception):
@@ -131,23 +145,26 @@ async def generate(
             text = stops.finish()
             if text:
                 yield "content", text
+        prepared.completion_tokens = count
         yield "finish", ("tool_calls" if tool_calls else reason, count)
     except (asyncio.CancelledError, GeneratorExit):
         runner.abort(request_id)
         raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
-async def next_token(
-    state: ServerState, request: Request | None, tokens: asyncio.Queue, request_id
-) -> Token | Exception | None:
-    # Poll for a disconnected client while waiting: its slot must be freed at once.
+async def watch_disconnect(state: ServerState, request: Request, tokens: asyncio.Queue, request_id) -> None:
+    """Until cancelled (the request ended): poll the client's connection on a timer, not on token
+    arrival (tokens may keep coming for a client long gone); once it is gone, abort the request
+    and wake its reader."""
     while True:
-        try:
-            return await asyncio.wait_for(tokens.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                state.runner.abort(request_id)
-                raise asyncio.CancelledError from None
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        if await request.is_disconnected():
+            state.runner.abort(request_id)
+            tokens.put_nowait(DISCONNECTED)
+            return
 
 
 def logprob_entry(state: ServerState, token: Token) -> dict:
