@@ -11,6 +11,25 @@ from typing import Any
 from .limits import positive_int
 from .schema import FULL, SLIDING, ConfigError, Family, TextConfig
 
+# transformers' Gemma3TextConfig defaults for the fields Gemma 3 4B/12B/27B's published config.json
+# leaves out of its text_config (it writes only sizes, RoPE scaling and the window).
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "max_position_embeddings": 131_072,
+    "final_logit_softcapping": None,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+
 
 def text_fields(data: dict, num_layers: int) -> tuple[dict, dict[str, Any], dict[str, list]]:
     """A Gemma 3 text config as Gemma 4's fields, plus the numerics in which Gemma 3 differs.
@@ -91,6 +110,7 @@ def module_path(name: str) -> str | None:
 FAMILY = Family(
     name="gemma3",
     top_level=top_level,
+    text_defaults=GEMMA3_DEFAULTS,
     text_fields=text_fields,
     last_layer_full=False,
     module_path=module_path,

@@ -142,6 +142,7 @@ def quantization_from_hf(data: Any) -> dict | None:
 
 def text_config_from_hf(data: dict, family: Family = GEMMA4) -> TextConfig:
     """The decoder's config; ``family`` rewrites its own text fields into Gemma 4's first."""
+    data = {**family.text_defaults, **data}  # only absent keys: an explicit null stays null
     missing = [key for key in REQUIRED_TEXT_FIELDS if data.get(key) is None]
     if missing:
         raise ConfigError(f"text config is missing required field(s): {', '.join(missing)}")

@@ -9,7 +9,8 @@ is written down as data here too: fields of ``TextConfig``, tower configs, and a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -321,6 +322,9 @@ class Family:
     # A multimodal config.json's top level, once its text config is read: (top level, text) -> the
     # text config (adjusted) and the ModelConfig fields of what is built beside it (towers, token ids).
     top_level: Callable[[dict, TextConfig], tuple[TextConfig, dict[str, Any]]]
+    # transformers' defaults for the text fields a published config.json may leave out (Gemma 3 4B
+    # and up write only the fields that differ from Gemma3TextConfig's), filled in before reading.
+    text_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # The text config as the Gemma 4 fields config/hf.py reads, plus the TextConfig fields (numerics)
     # in which the family differs and its per-layer lists: (text config, layers) -> the three.
     text_fields: Callable[[dict, int], tuple[dict, dict[str, Any], dict[str, list]]] | None = None
