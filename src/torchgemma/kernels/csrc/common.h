@@ -172,32 +172,38 @@ inline std::vector<float> group_sums(const at::Tensor& x, int64_t G) {
   return out;
 }
 
-inline void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                         int64_t bits, int64_t group, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qlinear: bits must be 4, 5 or 8, got ", bits);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qlinear: qweight must be a contiguous 2-D tensor");
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "qlinear: qweight of bits ", bits,
+inline int64_t in_features(const at::Tensor& qweight, int64_t bits) {
+  return bits == 8 ? qweight.size(1) : bits == 4 ? qweight.size(1) * 2 : qweight.size(1) / 20 * 32;
+}
+
+// The layout's checks, before anything is sized or divided by it: every message names the operator
+// and the argument. Returns K, the weight's input features (at least one whole group).
+inline int64_t check_layout(const char* op, const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, op, ": bits must be 4, 5 or 8, got ", bits);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), op, ": qweight must be a contiguous 2-D tensor, got ",
+              qweight.sizes());
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), op, ": qweight of bits ", bits,
               " must be ", bits == 8 ? "int8" : "uint8", ", got ", qweight.scalar_type());
-  TORCH_CHECK(bits != 5 || qweight.size(1) % 20 == 0, "qlinear: 5-bit rows take 20 bytes per 32 values, got ",
-              qweight.size(1));
-  TORCH_CHECK(group > 0 && K % group == 0 && group % (bits == 8 ? 8 : 32) == 0, "qlinear: group size ", group,
+  TORCH_CHECK(bits != 5 || qweight.size(1) % 20 == 0, op, ": 5-bit rows take 20 bytes per 32 values, got qweight ",
+              qweight.sizes());
+  const int64_t K = in_features(qweight, bits);
+  TORCH_CHECK(K > 0, op, ": qweight ", qweight.sizes(), " has no input features");
+  TORCH_CHECK(group > 0 && K % group == 0 && group % (bits == 8 ? 8 : 32) == 0, op, ": group size ", group,
               " does not divide ", K, " values into whole blocks of ", bits == 8 ? 8 : 32);
   const int64_t N = qweight.size(0);
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == N && scales.size(1) == K / group,
-              "qlinear: scales must be float32 or float16 (", N, ", ", K / group, "), got ", scales.scalar_type(),
-              " ", scales.sizes());
+              op, ": scales must be contiguous float32 or float16 (", N, ", ", K / group, "), got ",
+              scales.scalar_type(), " ", scales.sizes());
   if (mins) {
     TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                     mins->sizes() == scales.sizes(),
-                "qlinear: mins must be of the scales' dtype and shape ", scales.sizes(), ", got ",
+                op, ": mins must be of the scales' dtype and shape ", scales.sizes(), ", got ",
                 mins->scalar_type(), " ", mins->sizes());
   }
-}
-
-inline int64_t in_features(const at::Tensor& qweight, int64_t bits) {
-  return bits == 8 ? qweight.size(1) : bits == 4 ? qweight.size(1) * 2 : qweight.size(1) / 20 * 32;
+  return K;
 }
 
 // Calls f(std::integral_constant<int, bits>{}, S{}) for the layout's bits and scale type.
@@ -215,9 +221,9 @@ void dispatch(int64_t bits, const at::Tensor& scales, F&& f) {
 // A product's checked inputs: x (..., K) as float32 rows (M, K), for a weight of K features.
 inline at::Tensor product_rows(const char* op, const at::Tensor& x_in, const at::Tensor& qweight,
                                const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, mins, bits, group, K);
-  TORCH_CHECK(x_in.size(-1) == K, op, ": input has ", x_in.size(-1), " features, the weight takes ", K);
+  const int64_t K = check_layout(op, qweight, scales, mins, bits, group);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, op, ": input x ", x_in.sizes(), " must end in the ", K,
+              " features the weight takes");
   return x_in.reshape({-1, K}).to(at::kFloat).contiguous();
 }
 

@@ -154,8 +154,10 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
 std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound) {
   TORCH_CHECK(approx.scalar_type() == at::kFloat && bound.scalar_type() == at::kFloat && approx.dim() == 2 &&
                   approx.sizes() == bound.sizes() && approx.is_contiguous() && bound.is_contiguous(),
-              "bounded_candidates: approx and bound must be contiguous float32 (M, N) tensors of one shape");
+              "bounded_candidates: approx and bound must be contiguous float32 (M, N) tensors of one shape, got ",
+              approx.scalar_type(), " ", approx.sizes(), " and ", bound.scalar_type(), " ", bound.sizes());
   const int64_t M = approx.size(0), N = approx.size(1);
+  TORCH_CHECK(N > 0 || M == 0, "bounded_candidates: approx ", approx.sizes(), " has no columns to pick from");
   std::vector<int64_t> picked;
   at::Tensor counts = at::empty({M}, approx.options().dtype(at::kLong));
   for (int64_t m = 0; m < M; ++m) {
@@ -193,8 +195,7 @@ std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& appr
 
 // ||(s q)[n]|| per row (float32, rounded up): what qlinear_bounds' rows are measured by.
 at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, std::nullopt, bits, group, K);
+  const int64_t K = check_layout("row_norms", qweight, scales, std::nullopt, bits, group);
   const int64_t N = qweight.size(0), groups = K / group, row_bytes = qweight.size(1);
   at::Tensor out = at::empty({N}, scales.options().dtype(at::kFloat));
   dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {

@@ -16,6 +16,8 @@ namespace torchgemma::TG_ISA {
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>& weight, double eps,
                         bool plus_one) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "rms_norm: float32 input expected, got ", x_in.scalar_type());
+  // The mean of no values is 0 / 0: a norm over no features is refused, not computed.
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) > 0, "rms_norm: x ", x_in.sizes(), " has no features to normalize");
   const int64_t K = x_in.size(-1);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
@@ -23,7 +25,8 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>&
   // data_ptr() per value cost ~3 us per 640-value norm).
   std::vector<float> scale;
   if (weight) {
-    TORCH_CHECK(weight->numel() == K, "rms_norm: weight of ", weight->numel(), " values for ", K, " features");
+    TORCH_CHECK(weight->dim() == 1 && weight->numel() == K, "rms_norm: weight ", weight->sizes(), " for ", K,
+                " features (one value each)");
     const at::Tensor w = weight->to(at::kFloat).contiguous();
     const float* wp = w.data_ptr<float>();
     scale.resize(K);

@@ -357,8 +357,7 @@ void dequantize_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_by
 // The float32 weight (N, K).
 at::Tensor dequantize_cpu(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                           int64_t bits, int64_t group) {
-  const int64_t K = in_features(qweight, bits);
-  check_layout(qweight, scales, mins, bits, group, K);
+  const int64_t K = check_layout("dequantize", qweight, scales, mins, bits, group);
   const int64_t N = qweight.size(0);
   at::Tensor out = at::empty({N, K}, scales.options().dtype(at::kFloat));
   dispatch(bits, scales, [&](auto bits_tag, auto scale_tag) {
@@ -379,6 +378,9 @@ at::Tensor qlinear_dense_cpu(const at::Tensor& x_in, const at::Tensor& qweight, 
   const at::Tensor x = product_rows("qlinear_dense", x_in, qweight, scales, mins, bits, group);
   const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  if (N == 0) return out.view(shape);  // no rows: no slabs (the slab count below divides by the slab's rows)
   // Slabs of ~1 MB of float32 (a core's L2), at least 64 rows so that each product stays a GEMM, and
   // at least one per thread where there are rows enough. Each thread dequantizes its own slabs and
   // multiplies them on its own (the BLAS runs single-threaded inside a parallel region): threads that
@@ -405,8 +407,6 @@ at::Tensor qlinear_dense_cpu(const at::Tensor& x_in, const at::Tensor& qweight, 
       }
     });
   });
-  auto shape = x_in.sizes().vec();
-  shape.back() = N;
   return out.view(shape);
 }
 
