@@ -8,6 +8,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -17,6 +18,7 @@ from torchgemma.config import ModelConfig
 from torchgemma.generation import (
     GenerationConfig,
     SamplingParams,
+    apply_logit_bias,
     apply_repetition_penalty,
     apply_temperature,
     min_p_filter,
@@ -116,9 +118,44 @@ def test_repetition_penalty_ids_beyond_vocab():
     assert_same(apply_repetition_penalty(logits, ids, 1.5), theirs)
 
 
+def test_logit_bias_is_transformers_sequence_bias():
+    """Biases above -100 are transformers' sequence_bias on single tokens; -100 bans (-inf)."""
+    logits = random_logits(12)
+    bias = {3: 2.5, 40: -7.0, 499: 100.0, 8: -99.5}
+    theirs = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(history(12), logits.clone())
+    params = SamplingParams(logit_bias=bias)
+    assert params.logit_bias == ((3, 2.5), (8, -99.5), (40, -7.0), (499, 100.0))
+    assert_same(apply_logit_bias(logits, params.logit_bias), theirs)
+    banned = apply_logit_bias(logits, SamplingParams(logit_bias={10: -100, 11: -100.0}).logit_bias)
+    assert torch.isneginf(banned[:, 10:12]).all() and torch.equal(banned[:, 12:], logits[:, 12:])
+    with pytest.raises(ValueError, match="outside the vocabulary of 500"):
+        apply_logit_bias(logits, ((VOCAB, 1.0),))
+
+
+def test_a_banned_token_is_never_drawn():
+    """Even where -100 alone would not ban (T=1000 makes it -0.1), and for greedy rows."""
+    logits = random_logits(13, batch=1).expand(3000, -1)
+    best = int(logits[0].argmax())
+    ban = {best: -100, best + 1: -100}
+    hot = next_token(logits, SamplingParams(temperature=1000.0, logit_bias=ban), generator=torch.Generator())
+    assert not set(hot.tolist()) & set(ban) and len(set(hot.tolist())) > 100
+    assert int(next_token(logits[:1], SamplingParams(logit_bias=ban))[0]) not in ban
+
+
+def test_nothing_to_choose_is_an_error():
+    logits = random_logits(14, batch=2)
+    with pytest.raises(ValueError, match="every token's score is -inf"):
+        next_token(logits, SamplingParams(temperature=0.7, logit_bias=dict.fromkeys(range(VOCAB), -100)))
+    logits[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        next_token(logits, SamplingParams())
+
+
 def transformers_chain(params: SamplingParams, padding: torch.Tensor | None) -> LogitsProcessorList:
     """The processors transformers' generate builds for these settings, in its order."""
     chain = LogitsProcessorList()
+    if params.logit_bias:
+        chain.append(SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias}))
     if params.repetition_penalty not in (None, 1.0):
         chain.append(
             RepetitionPenaltyLogitsProcessor(params.repetition_penalty, prompt_ignore_length=padding)
@@ -142,6 +179,8 @@ CHAINS = [
     SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.2),
     SamplingParams(temperature=1.5, min_p=0.1),
     SamplingParams(temperature=0.5, top_k=0, top_p=1.0),
+    SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.3, logit_bias={5: 3.0, 17: -2.0}),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={5: 30.0, 17: -2.0}),
 ]
 
 
@@ -204,6 +243,14 @@ def test_repetition_penalty_needs_history():
         {"min_p": -0.1},
         {"min_p": 1.1},
         {"repetition_penalty": 0.0},
+        {"repetition_penalty": 1e-40},
+        {"repetition_penalty": float("inf")},
+        {"temperature": float("inf")},
+        {"temperature": float("nan")},
+        {"logit_bias": {1: 100.1}},
+        {"logit_bias": {1: "x"}},
+        {"logit_bias": {-1: 0.0}},
+        {"logit_bias": {True: 0.0}},
     ],
 )
 def test_invalid_params(kwargs):
