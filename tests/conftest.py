@@ -17,7 +17,7 @@ from checkpoints import (  # noqa: E402
 
 # Fixture modules whose fixtures every test file can use (llm_checkpoint, gemma4_tokenizer_dir,
 # real_270m, ...).
-pytest_plugins = ["tokenizer_fixtures", "llm_fixtures", "real_model_fixtures", "published_files"]
+pytest_plugins = ["tokenizer_fixtures", "llm_fixtures", "real_model_fixtures", "row_kernels", "published_files"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The default run has two workers (pytest-xdist, one per core of the 2-core machines it is

@@ -1,0 +1,88 @@
+"""The AVX-512 CPUs' dispatch of bf16 products, emulated on any CPU (fixture ``avx512_dispatch``).
+
+On CPUs with AVX-512, torch hands a bf16/fp16 matrix product of more than 16^3 multiply-adds to
+oneDNN and a smaller one to its own kernel (aten/src/ATen/native/mkldnn/Matmul.cpp, checksize:
+M x K x N for mm/addmm, batch x M x K x N for bmm). The two sum in different orders, so a row's
+bits depend on how many rows share the call. CPUs without AVX-512 take torch's kernel at every
+size, so a test there cannot see that effect.
+
+This mode makes any machine behave like the AVX-512 one in the respect that matters: products
+above the threshold come out of "another kernel" (the same sums, then every value moved by a
+fixed relative 2^-7, about one bf16 unit in the last place), products at or below it are untouched. What
+depends on row counts on AVX-512 then depends on them here, far more visibly; transformers runs
+under the same mode, so a comparison with it sees the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ONEDNN_MIN_PRODUCT = 16 * 16 * 16
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.dim() else 1
+
+
+def _size(func, args) -> int | None:
+    """Multiply-adds of the product as torch's dispatch counts them; None if not a product we
+    emulate (or not reduced precision on the CPU)."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.dtype not in REDUCED or b.dtype not in REDUCED or a.device.type != "cpu":
+        return None
+    if func is F.linear:  # (..., K) @ (N, K).T: folded to one (rows, K) x (K, N) product
+        return _rows(a) * a.shape[-1] * b.shape[0]
+    if a.dim() < 2 or b.dim() < 2:
+        return None
+    # matmul/bmm: batch x M x K x N, the batch dims folded
+    batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.dim() > 2 else 1
+    return batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class EmulatedAVX512Dispatch(TorchFunctionMode):
+    PRODUCTS = (F.linear, torch.matmul, torch.bmm, torch.mm, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.PRODUCTS:
+            size = _size(func, args)
+            if size is not None and size > ONEDNN_MIN_PRODUCT:
+                out = (out.float() * (1 + 2**-7)).to(out.dtype)
+        return out
+
+
+@pytest.fixture
+def avx512_dispatch():
+    """Run the test as on a CPU where large bf16 products take another kernel (see module doc)."""
+    with EmulatedAVX512Dispatch():
+        yield
+
+
+@pytest.fixture(params=["native", "avx512-dispatch"])
+def bf16_dispatch(request):
+    """Both CPU classes' bf16 dispatch on this machine: its own, and the AVX-512 one emulated."""
+    if request.param == "native":
+        yield request.param
+    else:
+        with EmulatedAVX512Dispatch():
+            yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _emulate_avx512_everywhere():
+    """TORCHGEMMA_TEST_AVX512_DISPATCH=1 runs every test under the emulated dispatch: the way to
+    check on an AVX2 machine that the exactness tests hold on the other CPU class too."""
+    if os.environ.get("TORCHGEMMA_TEST_AVX512_DISPATCH") == "1":
+        with EmulatedAVX512Dispatch():
+            yield
+    else:
+        yield
