@@ -376,3 +376,23 @@ def padded_prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         mask[row, : WIDTH - real] = 0
         ids[row, : WIDTH - real] = 0
     return ids, mask
+
+
+def transformers_generate_alone(ref, ids, mask=None, **kwargs) -> torch.Tensor:
+    """transformers' generate of each row ALONE (its prompt without the padding), laid out as its
+    batched generate lays out a left-padded batch: padding, prompt, new tokens, then pad_token_id
+    (0) after a row's stop token. Alone, not batched: ours promises each row what it gets alone,
+    and transformers' own batched rows differ from alone where a CPU's kernels depend on row
+    counts (bf16 on AVX-512: tests/row_kernels.py)."""
+    with torch.no_grad():
+        if mask is None:
+            return ref.generate(ids, **kwargs)
+        rows = [ref.generate(ids[b : b + 1][:, mask[b].bool()], **kwargs)[0] for b in range(ids.shape[0])]
+    width = ids.shape[1]
+    total = max(width + len(row) - int(mask[b].sum()) for b, row in enumerate(rows))
+    out = torch.zeros(ids.shape[0], total, dtype=ids.dtype)
+    for b, row in enumerate(rows):
+        new = row[int(mask[b].sum()) :]
+        out[b, :width] = ids[b]
+        out[b, width : width + len(new)] = new
+    return out
