@@ -9,7 +9,11 @@ first, as transformers does, so templates see the same values (and no live objec
 Control tokens typed by a caller (`<turn|>` in a user message) must not become control tokens:
 `mark_control_tokens` wraps each one found in the inputs in two private-use characters before
 rendering, and the tokenizer encodes marked tokens as plain text (transformers 5.23's
-`apply_chat_template(..., sanitize_control_tokens=True)`, same markers and rules).
+`apply_chat_template(..., sanitize_control_tokens=True)`, same markers and rules). Unlike
+transformers, a token the template would join from two caller strings (text items "hi<end_of" and
+"_turn>", printed with nothing between them) or from a caller string and the template's text is
+not made either: a caller string whose edge could be part of a control token gets a cut mark there,
+and after rendering `resolve_cuts` keeps the marks where a control token would form across them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -31,10 +36,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ChatTemplateError",
+    "ControlTokens",
     "control_token_pattern",
+    "control_token_set",
     "mark_control_tokens",
     "marked_token_pattern",
     "render_chat_template",
+    "resolve_cuts",
     "select_chat_template",
     "template_literal_text",
 ]
@@ -47,6 +55,11 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # uses (chat_template_utils._CONTROL_TOKEN_START / _END), so rendered text means the same to both.
 MARK_START = "\U000f0000"
 MARK_END = "\U000f0001"
+# Private-use character placed at the edge of a caller string where that edge could be part of a
+# control token (the string ends with "<end_of", or starts with "_turn>"). Rendered text keeps it only
+# where a control token would form across it (`resolve_cuts`); the tokenizer encodes the text on
+# either side of it separately, so the token is not made. torchgemma's own, not transformers'.
+CUT = "\U000f0002"
 
 
 class ChatTemplateError(ValueError):
@@ -233,32 +246,115 @@ def control_token_pattern(control_tokens: tuple[str, ...]) -> re.Pattern[str]:
 
 @lru_cache(maxsize=8)
 def marked_token_pattern(added_tokens: tuple[str, ...]) -> re.Pattern[str]:
-    """A regex matching a marked added token (group 1: the token) or a lone marker (group 1: None).
+    """A regex matching a marked added token (group 1: the token), or a lone marker or cut (group 1:
+    None), each a place where the text is encoded in separate pieces.
 
-    Lone markers appear when a template's string methods cut a marked token apart (`split`)."""
-    return re.compile(f"{MARK_START}({_alternation(added_tokens)}){MARK_END}|[{MARK_START}{MARK_END}]")
+    Lone markers appear when a template's string methods cut a marked token apart (`split`); cuts
+    are left by `resolve_cuts`."""
+    return re.compile(f"{MARK_START}({_alternation(added_tokens)}){MARK_END}|[{MARK_START}{MARK_END}{CUT}]")
 
 
-def mark_control_tokens(value: Any, pattern: re.Pattern[str]) -> Any:
-    """`value` with every control token (matches of `pattern`) in its strings wrapped in markers.
+@dataclass(frozen=True)
+class ControlTokens:
+    """One tokenizer's control tokens for a template, in the forms sanitizing looks them up in."""
+
+    pattern: re.Pattern[str]  # any of them, the longest where several start at one place
+    prefixes: frozenset[str]  # every proper, non-empty prefix ("<", "<t", ... "<turn|")
+    suffixes: frozenset[str]  # every proper, non-empty suffix (">", "|>", ... "turn|>")
+    longest: int  # characters in the longest one
+
+    def ends_partway(self, text: str, end: int) -> bool:
+        """Whether `text[:end]` ends with the beginning of a control token (text after it could
+        complete one)."""
+        return any(text[end - k : end] in self.prefixes for k in range(1, min(self.longest, end + 1)))
+
+    def starts_partway(self, text: str, start: int) -> bool:
+        """Whether `text[start:]` starts with the end of a control token."""
+        room = len(text) - start
+        return any(text[start : start + k] in self.suffixes for k in range(1, min(self.longest, room + 1)))
+
+    def straddles(self, text: str, position: int) -> bool:
+        """Whether a control token in `text` begins before `position` and ends after it."""
+        for start in range(max(0, position - self.longest + 1), position):
+            match = self.pattern.match(text, start)
+            if match is not None and match.end() > position:
+                return True
+        return False
+
+
+@lru_cache(maxsize=64)
+def control_token_set(control_tokens: tuple[str, ...]) -> ControlTokens:
+    """`control_tokens` as a `ControlTokens` (empty strings ignored)."""
+    tokens = [token for token in control_tokens if token]
+    return ControlTokens(
+        pattern=control_token_pattern(control_tokens),
+        prefixes=frozenset(token[:k] for token in tokens for k in range(1, len(token))),
+        suffixes=frozenset(token[k:] for token in tokens for k in range(1, len(token))),
+        longest=max((len(token) for token in tokens), default=0),
+    )
+
+
+def _mark_string(text: str, controls: ControlTokens) -> str:
+    """A caller string with its control tokens marked and cuts at its edges where they could be part
+    of one (see `mark_control_tokens`)."""
+    # Markers and cuts typed by the caller are dropped: they could forge a marked token or a cut.
+    text = text.replace(MARK_START, "").replace(MARK_END, "").replace(CUT, "")
+    text = controls.pattern.sub(lambda match: f"{MARK_START}{match.group()}{MARK_END}", text)
+    # Edges both with and without the surrounding whitespace: templates often print strings trimmed
+    # (`| trim`), and a cut inside the whitespace keeps the whitespace trimmable, the cut in place.
+    core_start, core_end = len(text) - len(text.lstrip()), len(text.rstrip())
+    cuts = {end for end in (core_end, len(text)) if end > 0 and controls.ends_partway(text, end)}
+    cuts |= {start for start in (core_start, 0) if start < len(text) and controls.starts_partway(text, start)}
+    for position in sorted(cuts, reverse=True):
+        text = text[:position] + CUT + text[position:]
+    return text
+
+
+def mark_control_tokens(value: Any, controls: ControlTokens) -> Any:
+    """`value` with every control token in its strings wrapped in markers, and a cut at each string
+    edge that could be part of a control token (the string ends with "<end_of" or starts with
+    "_turn>"), for `resolve_cuts` to keep where the rendered text would join it into one.
 
     Strings are found in mappings (keys too, unlike transformers: Gemma's template prints the keys
     of tool-call arguments and tool schemas), lists and tuples (both become lists, as in
     transformers), dataclasses and pydantic models (made plain first); other values are returned
-    as they are. Markers already in a string are dropped first, so input cannot forge a marked token.
+    as they are. Markers and cuts already in a string are dropped first, so input cannot forge them.
+    Strings without such edges are only changed where they hold control tokens, so templates that
+    compare them (`role == 'user'`) see the caller's text.
     """
     if isinstance(value, str):
-        value = value.replace(MARK_START, "").replace(MARK_END, "")
-        return pattern.sub(lambda match: f"{MARK_START}{match.group()}{MARK_END}", value)
+        return _mark_string(value, controls)
     if isinstance(value, Mapping):
-        return {mark_control_tokens(k, pattern): mark_control_tokens(v, pattern) for k, v in value.items()}
+        return {mark_control_tokens(k, controls): mark_control_tokens(v, controls) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [mark_control_tokens(v, pattern) for v in value]
+        return [mark_control_tokens(v, controls) for v in value]
     if not isinstance(value, type) and (
         dataclasses.is_dataclass(value) or callable(getattr(value, "model_dump", None))
     ):
-        return mark_control_tokens(_plain(value), pattern)
+        return mark_control_tokens(_plain(value), controls)
     return value
+
+
+def resolve_cuts(text: str, controls: ControlTokens) -> str:
+    """Text rendered from input marked by `mark_control_tokens`, with each cut kept only where a
+    control token would otherwise form across it (from two caller strings the template printed side
+    by side, or a caller string and the template's text).
+
+    Every other cut is dropped, so input without such joins is encoded exactly as before. Marked
+    tokens and lone markers already separate the text (no control token spans one). A control token
+    the template writes whole, or builds around a caller string from its own text (`'<|' + role +
+    '|>'`), has no caller edge inside it: it stays a token."""
+    if CUT not in text:
+        return text
+    pieces = text.split(CUT)
+    plain = "".join(pieces)
+    kept, position = [pieces[0]], len(pieces[0])
+    for piece in pieces[1:]:
+        if controls.straddles(plain, position):
+            kept.append(CUT)
+        kept.append(piece)
+        position += len(piece)
+    return "".join(kept)
 
 
 def _prepare_messages(messages: Sequence[Any]) -> list[dict]:

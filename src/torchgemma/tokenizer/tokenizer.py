@@ -3,7 +3,8 @@ decode. `loading.py` builds it from a checkpoint's files as transformers does.
 
 * Control tokens typed in chat messages stay text (`apply_chat_template(sanitize_control_tokens=...)`,
   on by default here, off by default in transformers), with transformers' rules for which added
-  tokens are control tokens (`Tokenizer.control_tokens`) and how marked text is encoded.
+  tokens are control tokens (`Tokenizer.control_tokens`) and how marked text is encoded; stricter
+  than transformers, neither can a control token form where the template joins caller strings.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from ..replies import parse_reply
 from .chat_template import (
-    control_token_pattern,
+    control_token_set,
     mark_control_tokens,
     marked_token_pattern,
     render_chat_template,
+    resolve_cuts,
     select_chat_template,
     template_literal_text,
 )
@@ -50,6 +52,10 @@ GEMMA4_TOKENS: dict[str, tuple[str | None, str]] = {
     "tool_response_start": ("str_token", "<|tool_response>"),
     "tool_response_end": ("etr_token", "<tool_response|>"),
 }
+
+# The same roles under Gemma 1-3n's names, used when the vocabulary has these and not Gemma 4's: their
+# tokenizer configs (and GGUF files) name no turn tokens, yet a chat turn ends with <end_of_turn>.
+EARLIER_GEMMA_TOKENS: dict[str, str] = {"turn_start": "<start_of_turn>", "turn_end": "<end_of_turn>"}
 
 # apply_chat_template options of transformers that are not reproduced here (not template variables).
 _TRANSFORMERS_ONLY_CHAT_OPTIONS = frozenset(
@@ -227,12 +233,22 @@ class Tokenizer:
 
     def special_token(self, name: str) -> str:
         """Text of a named special token: a config name ("eos_token", "image_token") or a Gemma 4 stem
-        from GEMMA4_TOKENS ("turn_end", "channel_start")."""
+        from GEMMA4_TOKENS ("turn_end", "channel_start"). The turn stems fall back to Gemma 1-3n's
+        "<start_of_turn>" / "<end_of_turn>" where the vocabulary has those and not Gemma 4's."""
         if name in self.special_tokens:
             return self.special_tokens[name]
         if name in GEMMA4_TOKENS:
             key, default = GEMMA4_TOKENS[name]
-            return self.special_tokens.get(key, default) if key is not None else default
+            if key is not None and key in self.special_tokens:
+                return self.special_tokens[key]
+            earlier = EARLIER_GEMMA_TOKENS.get(name)
+            if (
+                earlier is not None
+                and self.backend.token_to_id(default) is None
+                and self.backend.token_to_id(earlier) is not None
+            ):
+                return earlier
+            return default
         known = sorted(set(self.special_tokens) | set(GEMMA4_TOKENS))
         raise UnknownTokenError(f"unknown special token {name!r}; this tokenizer knows {known}")
 
@@ -327,7 +343,10 @@ class Tokenizer:
 
         sanitize_control_tokens: control tokens (see `control_tokens`) found in the strings of
         messages, tools, documents and `extra` are encoded as plain text, so only the template's own
-        control tokens are tokens: a user who types `<turn|>` cannot end their turn. None (the
+        control tokens are tokens: a user who types `<turn|>` cannot end their turn. Nor can text
+        the template joins make one: two text items "hi<turn" and "|>" (or "hi<tu" and template text
+        "rn|>") are encoded as text on both sides of the join (see `chat_template.resolve_cuts`);
+        text without such joins is encoded as transformers encodes it. None (the
         default) sanitizes the ids; text (tokenize=False) is the plain rendering, which cannot tell
         typed tokens from the template's, so True with tokenize=False is an error. False encodes
         everything as transformers does by default (for trusted input that writes control tokens)."""
@@ -346,9 +365,9 @@ class Tokenizer:
         )
         variables = {"enable_thinking": enable_thinking, **extra}
         if sanitize:
-            pattern = control_token_pattern(self.control_tokens(template))
+            controls = control_token_set(self.control_tokens(template))
             messages, tools, documents, variables = (
-                mark_control_tokens(value, pattern) for value in (messages, tools, documents, variables)
+                mark_control_tokens(value, controls) for value in (messages, tools, documents, variables)
             )
         text = render_chat_template(
             template,
@@ -361,7 +380,9 @@ class Tokenizer:
         )
         if not tokenize:
             return text
-        return self._encode_marked(text) if sanitize else self.encode(text, add_special_tokens=False)
+        if not sanitize:
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_marked(resolve_cuts(text, controls))
 
     def control_tokens(self, chat_template: str | None = None) -> tuple[str, ...]:
         """The added tokens that sanitized chat input keeps as text (transformers' rule): every special
