@@ -156,19 +156,25 @@ def _template(single: list[str]) -> dict:
     }
 
 
-def tokenizer_json(family: str, single: list[str]) -> dict:
-    """A published-layout tokenizer.json: Gemma's pipeline, the added tokens (control tokens
-    special, newlines not, the family's added tokens past the vocabulary special), the post-processor."""
-    vocab, merges, specials, added = _vocabulary(family)
+def added_tokens(family: str) -> list[dict]:
+    """tokenizer.json's added tokens: control tokens special, newlines not, the family's tokens past
+    the vocabulary special."""
+    _, _, specials, added = _vocabulary(family)
     entries = [_added_entry(i, t, True) for i, t in sorted(specials.items())]
     entries += [_added_entry(i, t, False) for i, t in PLAIN_ADDED.items()]
     entries += [_added_entry(i, t, True) for i, t in sorted(added.items())]
-    entries.sort(key=lambda e: e["id"])
+    return sorted(entries, key=lambda e: e["id"])
+
+
+def tokenizer_json(family: str, single: list[str]) -> dict:
+    """A published-layout tokenizer.json: Gemma's pipeline, the added tokens (control tokens
+    special, newlines not, the family's added tokens past the vocabulary special), the post-processor."""
+    vocab, merges, _, _ = _vocabulary(family)
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": entries,
+        "added_tokens": added_tokens(family),
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
         "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
         "post_processor": _template(single),
@@ -266,13 +272,13 @@ def gemma3_tokenizer_files(
     """Gemma 3 / 3n / EmbeddingGemma tokenizer files, as transformers 4.5x saved them: tokenizer.json,
     tokenizer_config.json with added_tokens_decoder, special_tokens_map.json and added_tokens.json."""
     single = ["<bos>", "$A", "<eos>"] if add_eos else ["<bos>", "$A"]
-    data = json.loads(_tokenizer_text(family, tuple(single)))
+
     named = named or {
         "boi_token": "<start_of_image>",
         "eoi_token": "<end_of_image>",
         "image_token": "<image_soft_token>",
     }
-    decoder = {str(e["id"]): {k: v for k, v in e.items() if k != "id"} for e in data["added_tokens"]}
+    decoder = {str(e["id"]): {k: v for k, v in e.items() if k != "id"} for e in added_tokens(family)}
     config: dict[str, Any] = {
         "add_bos_token": True,
         "add_eos_token": add_eos,
@@ -297,7 +303,7 @@ def gemma3_tokenizer_files(
         config["chat_template"] = template_in_config
     _, _, _, added = _vocabulary(family)
     return {
-        "tokenizer.json": data,
+        "tokenizer.json": _tokenizer_text(family, tuple(single)),  # 262k pieces: the JSON text, made once
         "tokenizer_config.json": config,
         "special_tokens_map.json": {
             **named,
@@ -315,7 +321,7 @@ def gemma4_tokenizer_files() -> dict[str, Any]:
     post-processor adds nothing (the template writes <bos>), tokenizer_config.json with the named
     control tokens and no added_tokens_decoder, chat_template.jinja; no special_tokens_map.json."""
     return {
-        "tokenizer.json": json.loads(_tokenizer_text("gemma4", ("$A",))),
+        "tokenizer.json": _tokenizer_text("gemma4", ("$A",)),
         "tokenizer_config.json": {
             "tokenizer_class": "GemmaTokenizer",
             "add_bos_token": False,

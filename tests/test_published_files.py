@@ -3,8 +3,8 @@ transformers (and, for EmbeddingGemma, sentence-transformers) loads it, to the s
 vectors; a token the tokenizer has but the embedding table lacks is refused only when used; and
 ``torchgemma info`` names the KV cache's dtype the loaded model really allocates.
 
-The default run takes EmbeddingGemma, Gemma 3 270M and Gemma 4 E2B; the other families' parity
-checks (several seconds each: a 262k-id tokenizer and model read twice) run with ``-m slow``.
+The default run takes EmbeddingGemma and Gemma 3 270M (~20 CPU-s with the folders' builds); the
+other families' parity checks run with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,27 @@ from torchgemma.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DEFAULT_RUN = ("gemma-3-270m", "gemma-4-E2B-it")
+# In the default run (the others: ~3 CPU-s each, a 262k-id tokenizer and model read twice).
+DEFAULT_RUN = ("gemma-3-270m",)
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Zürich, 日本語 and emoji 🙂", "Hi"]
 # Past the 262,144-row table of EmbeddingGemma and Gemma 3 270M/1B (added_tokens.json).
 SOFT_TOKEN, SOFT_ID = "<image_soft_token>", 262144
+
+
+@pytest.fixture(scope="module")
+def loaded(published_checkpoint):
+    """``loaded(name)``: the folder's LLM in float32 with eager attention, loaded once per module
+    (a 262k-id tokenizer takes a second or two). Shared: tests must not change it."""
+    llms: dict[str, LLM] = {}
+
+    def get(name: str) -> LLM:
+        if name not in llms:
+            llms[name] = LLM(
+                published_checkpoint(name), dtype=torch.float32, attention="eager", progress=False
+            )
+        return llms[name]
+
+    return get
 
 
 def _reference(folder):
@@ -55,11 +72,11 @@ def _reference(folder):
         if name != "embeddinggemma-300m"
     ],
 )
-def test_loads_and_matches_transformers(published_checkpoint, name):
+def test_loads_and_matches_transformers(published_checkpoint, loaded, name):
     from transformers import AutoTokenizer
 
     folder = published_checkpoint(name)
-    llm = LLM(folder, dtype=torch.float32, attention="eager", progress=False)
+    llm = loaded(name)
     reference_tokenizer = AutoTokenizer.from_pretrained(folder)
     assert len(llm.tokenizer) == len(reference_tokenizer)
     text = "The quick brown fox, Zürich 日本語 <start_of_turn> <|turn>"
@@ -92,37 +109,35 @@ def embeddinggemma(published_checkpoint):
     return published_checkpoint("embeddinggemma-300m")
 
 
-def test_embeddinggemma_loads_with_an_added_token_past_its_table(embeddinggemma):
+def test_embeddinggemma_loads_and_equals_sentence_transformers(embeddinggemma, loaded):
     """The published folder's tokenizer has 262,145 ids (added_tokens.json: <image_soft_token> ->
-    262144) for 262,144 embedding rows; we refused the folder, sentence-transformers loads it."""
-    llm = LLM(embeddinggemma, progress=False)
-    assert len(llm.tokenizer) == SOFT_ID + 1
-    assert llm.model.config.text.vocab_size == SOFT_ID
-    assert llm.tokenizer.token_id(SOFT_TOKEN) == SOFT_ID
-    assert llm.model.dtype == torch.float32  # config.json's dtype
-
-
-@pytest.mark.parametrize("prompt_name", ["query", "document"])
-def test_embeddinggemma_equals_sentence_transformers(embeddinggemma, prompt_name):
+    262144) for 262,144 embedding rows: ``LLM(folder)`` and ``torchgemma.embed(model=folder)``
+    refused it; sentence-transformers loads it, and our vectors equal its own."""
     from sentence_transformers import SentenceTransformer
 
+    ours = torchgemma.embed(TEXTS, model=embeddinggemma, prompt_name="query")  # its own default load
+    llm = loaded("embeddinggemma-300m")
+    assert len(llm.tokenizer) == SOFT_ID + 1 and llm.tokenizer.token_id(SOFT_TOKEN) == SOFT_ID
+    assert llm.model.config.text.vocab_size == SOFT_ID
+    assert ours.dtype == torch.float32  # config.json's dtype
+
     reference = SentenceTransformer(str(embeddinggemma), model_kwargs={"attn_implementation": "eager"})
-    theirs = reference.encode(TEXTS, prompt_name=prompt_name, convert_to_tensor=True)
-    ours = torchgemma.embed(TEXTS, model=embeddinggemma, prompt_name=prompt_name)
-    assert ours.shape == theirs.shape == (len(TEXTS), 24)
-    assert (ours - theirs).abs().max().item() <= 1e-5
     assert reference.prompts["query"] == EMBEDDING_PROMPTS["query"] and len(reference.prompts) == 14
+    for prompt_name, vectors in [("query", ours), ("document", llm.embed(TEXTS, prompt_name="document"))]:
+        theirs = reference.encode(TEXTS, prompt_name=prompt_name, convert_to_tensor=True)
+        assert vectors.shape == theirs.shape == (len(TEXTS), 24)
+        assert (vectors - theirs).abs().max().item() <= 1e-5, prompt_name
 
 
-def test_a_token_past_the_table_is_refused_when_used(embeddinggemma, published_checkpoint):
+def test_a_token_past_the_table_is_refused_when_used(loaded):
     """Named, with its id and the table's size, before the model runs (not an IndexError inside)."""
     message = rf"uses token '{SOFT_TOKEN}' \(id {SOFT_ID}\), which the tokenizer defines but the model cannot embed: its embedding table has {SOFT_ID} rows"
-    llm = LLM(embeddinggemma, progress=False)
+    llm = loaded("embeddinggemma-300m")
     with pytest.raises(ValueError, match=r"texts\[1\] " + message):
         llm.embed(["fine", f"an image {SOFT_TOKEN} here"])
     assert llm.embed(["fine"]).shape == (1, 24)  # the same model, still usable
 
-    generative = LLM(published_checkpoint("gemma-3-270m"), progress=False)
+    generative = loaded("gemma-3-270m")
     with pytest.raises(ValueError, match="the prompt " + message):
         generative.generate(f"Describe {SOFT_TOKEN}", max_new_tokens=2, temperature=0)
     with pytest.raises(ValueError, match="the prompt " + message):
@@ -134,6 +149,7 @@ def test_a_token_past_the_table_is_refused_when_used(embeddinggemma, published_c
     assert len(reply.token_ids) <= 2
 
 
+@pytest.mark.slow  # two 262k-id tokenizers (~4 CPU-s)
 def test_added_tokens_json_alone_is_read_as_transformers_reads_it(embeddinggemma, tmp_path):
     """Without added_tokens_decoder in tokenizer_config.json, transformers takes added tokens from
     added_tokens.json (legacy) and tokenizer.json; a token only the former lists still gets its id."""
