@@ -10,7 +10,7 @@ at its real id, including the ones past the embedding table (EmbeddingGemma's an
 own config.json when a test first asks for the folder (``published_checkpoint(name)``, one build
 per session and worker), saved in the published dtype.
 
-What each folder mirrors ("=" the published file's fields; "sizes" lists what is shrunk):
+What each folder mirrors, and the fields that differ from the published values (sizes only):
 
 ==================  ===================================================  ===========================
 folder              files (as published)                                 differs (sizes only)
@@ -36,29 +36,44 @@ gemma-3-4b-it       config.json (gemma3: text_config of only the fields  text: h
                     SigLIP vision_config, mm_tokens_per_image),          10240->64, window
                     generation_config.json, tokenizer files, template    1024->4; vision: hidden
                     in tokenizer_config.json and chat_template.json,     1152->16, layers 27->1,
-                    processor_config.json, preprocessor_config.json      image 896->56 px,
+                    processor_config.json, preprocessor_config.json      MLP 4304->32, heads
+                                                                         16->2, image 896->56 px,
                                                                          256->4 tokens
 gemma-3n-E2B-it     config.json (gemma3n: text_config with PLE, AltUp,   text: hidden 2048->32,
                     LAuReL, sparsity, KV sharing; vision (MobileNet-V5)  layers 30->10 (4 KV-
                     and audio configs, media ids), generation_config,    shared), head_dim 256->16,
                     tokenizer files (262,400 ids), chat_template.jinja,  MLP 8192->64, PLE 256->4,
-                    processor_config.json, preprocessor_config.json      LAuReL 64->4, window
-                                                                         512->4; towers shrunk
-gemma-4-E2B-it      config.json (gemma4: text_config per §1.1,           text: hidden 1536->32,
-gemma-4-E4B-it      on-device vision, audio), generation_config.json     layers 35/42->10/12,
-gemma-4-26B-A4B-it  (eos [1, 106, 50]), tokenizer.json, tokenizer_       heads, head_dim 256/512
-gemma-4-31B-it      config.json (the named control tokens, no added_     ->16/32, MLP, experts
-                    tokens_decoder), chat_template.jinja, processor_     128->8 (top 8->2), window
-                    config.json (image, audio, video processors)         ->4; towers shrunk
+                    processor_config.json, preprocessor_config.json      LAuReL 64->4, heads 8->2,
+                                                                         sparse layers 10->2,
+                                                                         window 512->4; towers:
+                                                                         hidden ->16, audio layers
+                                                                         12->1
+gemma-4-E2B-it      config.json (gemma4: text_config per §1.1,           text: hidden ->32, layers
+gemma-4-E4B-it      on-device vision, audio), generation_config.json     35/42/30/60->10/12/6/6
+gemma-4-26B-A4B-it  (eos [1, 106, 50]), tokenizer.json, tokenizer_       (the layer pattern and
+gemma-4-31B-it      config.json (the named control tokens, no added_     KV-shared share kept), heads
+                    tokens_decoder), chat_template.jinja, processor_     16/32->4 and KV 8/16->2
+                    config.json (image, audio, video processors)         and global KV 2/4->1 for
+                                                                         26B/31B, head_dim 256/512
+                                                                         ->16/32, MLP, experts
+                                                                         128->8 (top 8->2), window
+                                                                         ->4; towers: hidden ->32,
+                                                                         layers ->2
 gemma-4-12B-it      config.json (gemma4_unified: K=V text, encoder-free  text: hidden 3840->32,
 (unified)           image and audio embedders), the Gemma 4 tokenizer    layers 48->6, MLP, window
                     files and template, generation_config.json           1024->4; mm_embed 3840->40
 ==================  ===================================================  ===========================
 
-Known gaps (not published facts, said where they are used): the vocabulary's ordinary pieces are a
-few hundred BPE merges learned on tests' sample text (tokenizer_fixtures) padded with filler pieces,
-not Gemma's 262k pieces; Gemma 3n's ids 262146-262271 and 262274-262399 get placeholder names; the
-chat templates are reconstructions of the published ones' format.
+Reconstructed, not confirmed against the hub (said where used): the vocabulary's ordinary pieces
+are a few hundred BPE merges learned on the tests' sample text (tokenizer_fixtures) padded with
+filler pieces, not Gemma's 262k pieces and 514k merges, and the Gemma 3 added_tokens_decoder lists
+the control tokens, not the published ~6k entries (unused slots, HTML tags, whitespace runs); Gemma
+3n's tokenizer is given 262,400 ids with placeholder names for the unnamed media slots (262146-262271,
+262274-262399); EmbeddingGemma's config.json dtype (float32) and its tokenizer's right padding; Gemma
+4's processor_config.json takes the image processor's fields from reference §3.1 and the video and
+audio processors' from the 5.23 classes' defaults; the chat templates are reconstructions of the
+published ones' format (Gemma 4's is tokenizer_fixtures' §9.4 template); transformers_version
+strings are indicative.
 """
 
 from __future__ import annotations
