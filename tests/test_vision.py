@@ -24,7 +24,7 @@ def tower_pair(settings: dict, dtype, tmp_path, seed=0):
         tighten_clip_bounds_(reference, seed)
     reference.save_pretrained(tmp_path)
     reference = Gemma4VisionModel.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager").eval()
-    ours = VisionTower(_vision_config_from_hf(config.to_dict()))
+    ours = VisionTower(_vision_config_from_hf(config.to_dict()), attention="eager")
     # Our module paths are the checkpoint's names: the reference state dict loads as is.
     ours.load_state_dict(reference.state_dict(), strict=True)
     return reference, ours.to(dtype).eval()

@@ -75,8 +75,8 @@ def eager_backend(
 def sdpa_backend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention``: KV heads shared in place (``enable_gqa``), memory bounded by
-    the kernel's blocking rather than T x S scores. Returns (B, T, H, D)."""
+    """``scaled_dot_product_attention`` as transformers calls it (``sdpa_attention``), memory
+    bounded by the kernel's blocking rather than T x S scores. Returns (B, T, H, D)."""
     if inputs.key_slice is not None:
         key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
     if inputs.rows is not None:
@@ -97,16 +97,44 @@ def sdpa_backend(
 
 
 def _sdpa(query, key, value, mask, causal: bool, scale: float) -> torch.Tensor:
+    return sdpa_attention(query, key, value, mask, causal and query.shape[2] > 1, scale)
+
+
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as transformers' sdpa path calls it
+    (``integrations/sdpa_attention.py``), so that the kernel runs the same products in the same
+    order: query (B, H, T, D), key/value (B, Hkv, S, D), mask (B, 1, T, S) True-to-attend or None
+    (``causal``: no mask, causal attention). Returns (B, T, H, D). The text decoder and the vision
+    tower both call it.
+
+    Shared KV heads reach the kernel as there: one query's heads (a decode step) "packed" as the
+    queries of their KV head (B, Hkv, H/Hkv, D) where transformers packs them (with a mask: a step
+    past the sliding window; head dims over 256), else in place (``enable_gqa``). Packing changes
+    the kernel's product shapes and so the rounding (float32 and bf16, measured). Where
+    transformers repeats the KV heads instead (several queries with a mask or head dims over 256)
+    the kernel runs the same products on the same values as in place (bit-identical, measured),
+    and in place needs no H/Hkv copies of the keys: a long prompt's chunks stay in bounded memory.
+    """
+    batch, heads, length, dim = query.shape
+    groups = heads // key.shape[1]
+    extra = {}
+    if groups > 1:
+        if length == 1 and (mask is not None or key.shape[-1] > 256 or value.shape[-1] > 256):
+            query = query.reshape(batch, heads // groups, groups, dim)  # a mask (B, 1, 1, S) broadcasts
+        else:
+            extra["enable_gqa"] = True
     out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=mask is None and causal and query.shape[2] > 1,
-        scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, attn_mask=mask, is_causal=mask is None and causal, scale=scale, **extra
     )
-    return out.transpose(1, 2)
+    # Unpacks the packed heads (a no-op otherwise).
+    return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2)
 
 
 # What each backend name runs.

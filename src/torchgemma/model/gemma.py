@@ -38,7 +38,7 @@ class Gemma(nn.Module):
         self.compiled_decode = None
         if config.vision_config is not None:
             vision = config.vision_config
-            self.vision_tower = VisionTower(vision)
+            self.vision_tower = VisionTower(vision, attention)
             self.embed_vision = MultimodalEmbedder(vision.hidden_size, text.hidden_size, vision.rms_norm_eps)
         if config.audio_config is not None:
             audio = config.audio_config
@@ -78,11 +78,15 @@ class Gemma(nn.Module):
 
     @property
     def attention(self) -> str:
-        """The text decoder's attention backend: ``"sdpa"`` or ``"eager"``."""
+        """The attention backend: ``"sdpa"`` or ``"eager"``, of the text decoder and the vision
+        tower. The audio towers have one path, the reference's eager one (transformers' audio
+        towers have no sdpa; with ``attn_implementation="sdpa"`` they run eager)."""
         return self.language_model.attention
 
     def set_attention(self, backend: str) -> None:
         self.language_model.set_attention(backend)
+        if self.config.vision_config is not None:
+            self.vision_tower.set_attention(backend)
 
     def make_cache(
         self, batch_size: int, max_len: int, *, max_rollback: int = 0, preallocate: bool = True

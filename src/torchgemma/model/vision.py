@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VisionConfig
+from .attention import ATTENTION_BACKENDS, sdpa_attention
 from .layers import RMSNorm, apply_rope, eager_attention, gelu_tanh
 from .multimodal import ClippableLinear
 
@@ -89,10 +90,15 @@ def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional attention with QK norms, a scale-free V norm and scale 1 (no 1/√d)."""
+    """Bidirectional attention with QK norms, a scale-free V norm and scale 1 (no 1/√d).
 
-    def __init__(self, config: VisionConfig):
+    ``backend`` as the text decoder's: ``"eager"`` takes an additive mask, ``"sdpa"`` a
+    True-to-attend one (``Encoder.padding_mask`` makes both), as transformers' tower does.
+    """
+
+    def __init__(self, config: VisionConfig, backend: str = "sdpa"):
         super().__init__()
+        self.backend = backend
         d, heads, kv, dim = (
             config.hidden_size,
             config.num_attention_heads,
@@ -117,7 +123,10 @@ class VisionAttention(nn.Module):
         query = apply_axial_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin).transpose(1, 2)
         key = apply_axial_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin).transpose(1, 2)
         value = self.v_norm(self.v_proj(x).view(shape)).transpose(1, 2)  # (B, H, N, d)
-        out = eager_attention(query, key, value, mask)  # (B, N, H, d)
+        if self.backend == "sdpa":
+            out = sdpa_attention(query, key, value, mask, causal=False, scale=1.0)  # (B, N, H, d)
+        else:
+            out = eager_attention(query, key, value, mask)
         return self.o_proj(out.reshape(batch, length, -1))
 
 
@@ -136,11 +145,11 @@ class VisionMLP(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: VisionConfig):
+    def __init__(self, config: VisionConfig, attention: str):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps)
-        self.self_attn = VisionAttention(config)
+        self.self_attn = VisionAttention(config, attention)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.pre_feedforward_layernorm = RMSNorm(d, eps)
         self.mlp = VisionMLP(config)
@@ -154,18 +163,31 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, config: VisionConfig):
+    def __init__(self, config: VisionConfig, attention: str = "sdpa"):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+
+    @property
+    def attention(self) -> str:
+        return self.layers[0].self_attn.backend
+
+    def padding_mask(self, padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Padding patches (B, N) hidden from every query as keys, (B, 1, 1, N) in the form the
+        backend takes: None without padding (as transformers' ``create_bidirectional_mask``);
+        sdpa: True-to-attend; eager: additive. (transformers' sdpa mask is (B, 1, N, N); the
+        kernel gives the same bits with the broadcast row, without N² memory.)"""
+        if not padding.any():
+            return None
+        keys = padding[:, None, None, :]
+        if self.attention == "sdpa":
+            return ~keys
+        zero = torch.zeros((), dtype=dtype, device=padding.device)
+        return torch.where(keys, torch.finfo(dtype).min, zero)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        # Padding patches are hidden from every query as keys; with none, no mask at all.
-        mask = None
-        if padding.any():
-            zero = torch.zeros((), dtype=x.dtype, device=x.device)
-            mask = torch.where(padding[:, None, None, :], torch.finfo(x.dtype).min, zero)  # (B, 1, 1, N)
+        mask = self.padding_mask(padding, x.dtype)
         # Padding positions (-1, -1) go into the angles unclamped; their rows are dropped later.
         cos, sin = axial_rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.layers:
@@ -200,16 +222,31 @@ def pool(
 
 
 class VisionTower(nn.Module):
-    """Patches -> soft tokens (n_soft, D) in the model dtype, concatenated over images in order."""
+    """Patches -> soft tokens (n_soft, D) in the model dtype, concatenated over images in order.
 
-    def __init__(self, config: VisionConfig):
+    ``attention``: the encoder's backend (``"sdpa"`` or ``"eager"``), as the text decoder's.
+    """
+
+    def __init__(self, config: VisionConfig, attention: str = "sdpa"):
         super().__init__()
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         self.config = config
         self.patch_embedder = PatchEmbedder(config)
-        self.encoder = Encoder(config)
+        self.encoder = Encoder(config, attention)
         if config.standardize:
             self.register_buffer("std_bias", torch.zeros(config.hidden_size))
             self.register_buffer("std_scale", torch.ones(config.hidden_size))
+
+    def set_attention(self, backend: str) -> None:
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        for layer in self.encoder.layers:
+            layer.self_attn.backend = backend
 
     def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """pixel_values (B, N, 3p²) in [0, 1], positions (B, N, 2) (x, y) -> (n_soft, D)."""
