@@ -90,8 +90,9 @@ def load(
     for GGUF files, which are dequantized into it, and for float16 checkpoints, whose activations
     would overflow); float16 is refused. ``device`` defaults to the CPU. Tensors are read
     memory-mapped one at a time into the built model, so memory peaks at the model plus its largest
-    tensor. ``attention`` is the text decoder's backend: ``"sdpa"`` (fast, bounded memory) or
-    ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is returned in eval mode.
+    tensor. ``attention`` is the text decoder's and vision tower's backend: ``"sdpa"`` (fast,
+    bounded memory) or ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is
+    returned in eval mode.
     A progress bar counts the bytes read when stderr is a terminal and the checkpoint is large;
     ``progress=False`` never shows one.
 
