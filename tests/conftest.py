@@ -17,7 +17,13 @@ from checkpoints import (  # noqa: E402
 
 # Fixture modules whose fixtures every test file can use (llm_checkpoint, gemma4_tokenizer_dir,
 # real_270m, ...).
-pytest_plugins = ["tokenizer_fixtures", "llm_fixtures", "real_model_fixtures", "row_kernels", "published_files"]
+pytest_plugins = [
+    "tokenizer_fixtures",
+    "llm_fixtures",
+    "real_model_fixtures",
+    "row_kernels",
+    "published_files",
+]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The default run has two workers (pytest-xdist, one per core of the 2-core machines it is
@@ -36,17 +42,6 @@ def text_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def multimodal_checkpoint(tmp_path_factory) -> Path:
     """A tiny ``gemma4`` (multimodal layout) checkpoint of the E2B style with a vision tower."""
     return build_multimodal_checkpoint(tmp_path_factory.mktemp("mm") / "e2b-mm", "e2b", seed=11)
-
-
-@pytest.fixture
-def aten_bf16():
-    """bf16 products by ATen's kernel only, for tests that compare a batched decode with the same
-    sequences alone. On CPUs with AVX512-BF16, torch hands bf16 matrix products of more than 16^3
-    multiply-adds to oneDNN and smaller ones to ATen, which sum in different orders: a row's bits
-    then depend on how many rows share the call (transformers' own batched and single-row results
-    differ there). CPUs without AVX-512 always take ATen's kernel, as these tests then do."""
-    with torch.backends.mkldnn.flags(enabled=False):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,59 @@ def test_a_request_gets_what_it_gets_alone(gen_checkpoints, style, dtype, backen
             assert difference <= 5e-4, request
 
 
+def logits_alone_and_batched(model, **engine_args) -> tuple[dict, dict]:
+    """Every request's logits (stacked) in the staggered, ragged batch of JOINS and alone."""
+    requests = prompts()
+    batched = RecordingEngine(model, max_batch_size=3, max_len=40, prefill_chunk=4, **engine_args)
+    run(batched, requests, JOINS, **GREEDY)
+    alone = {}
+    for request in requests:
+        engine = RecordingEngine(model, max_batch_size=1, max_len=40, prefill_chunk=4, **engine_args)
+        run(engine, requests, {request: 0}, **GREEDY)
+        alone[request] = torch.stack(engine.logits[request])
+    return {r: torch.stack(v) for r, v in batched.logits.items()}, alone
+
+
+# Two cases in the default run (the emulation's per-product Python costs ~5x); the others are slow.
+EMULATED_CASES = [
+    pytest.param(
+        style,
+        backend,
+        marks=[] if (style, backend) in {("e2b", "eager"), ("31b", "sdpa")} else pytest.mark.slow,
+    )
+    for style in STYLES
+    for backend in ("eager", "sdpa")
+]
+
+
+@pytest.mark.parametrize(("style", "backend"), EMULATED_CASES)
+def test_bf16_batches_are_invariant_on_both_cpu_classes(gen_checkpoints, style, backend, avx512_dispatch):
+    """bf16, oneDNN in its default state, on the AVX-512 CPUs' dispatch (emulated here: large bf16
+    products take another kernel, tests/row_kernels.py): each request of a staggered, ragged batch
+    gets its logits alone to the bit. (The native dispatch is test_a_request_gets_what_it_gets_alone.)
+    Without batch invariance the same batch changes every request's bits, so the check can fail."""
+    model = torchgemma.load(gen_checkpoints[style], dtype=torch.bfloat16, attention=backend)
+    batched, alone = logits_alone_and_batched(model)
+    for request in alone:
+        assert torch.equal(batched[request], alone[request]), request
+    if style == "e2b" and backend == "eager":
+        batched, alone = logits_alone_and_batched(model, batch_invariant=False)
+        assert any(not torch.equal(batched[r], alone[r]) for r in alone), "the emulation changed nothing"
+
+
+def test_float32_batch_invariance_is_exact(gen_checkpoints):
+    """float32: batch_invariant=True gives each request its logits alone exactly (MKL rounds 1, 2-3
+    and 4+ rows three ways; the engine then runs requests apart where a batch reaches such a
+    boundary). Off (the float32 default), they differ by rounding only."""
+    model = torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32, attention="sdpa")
+    batched, alone = logits_alone_and_batched(model, batch_invariant=True)
+    for request in alone:
+        assert torch.equal(batched[request], alone[request]), request
+    batched, alone = logits_alone_and_batched(model)
+    for request in alone:
+        assert (batched[request] - alone[request]).abs().max() <= 5e-4, request
+
+
 @pytest.mark.parametrize("style", ["e2b", "26b"])
 def test_batched_requests_match_transformers(gen_checkpoints, style):
     """bf16 greedy: every request of a changing batch equals transformers' generate of its prompt."""
