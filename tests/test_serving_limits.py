@@ -261,6 +261,42 @@ def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
         assert held["response"].status_code == 200
 
 
+def test_requests_queued_for_preparation_are_bounded(llm, monkeypatch):
+    """One preparation thread and no waiting room: a request arriving while another is being
+    tokenized is a 503 at once (not a queue that grows with each client); then requests go on."""
+    entered, release = threading.Event(), threading.Event()
+    encode = llm.processor.encode
+
+    def held_encode(prompt, *args, **kwargs):
+        if prompt == "held":
+            entered.set()
+            release.wait(30)
+        return encode(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(llm.processor, "encode", held_encode)
+    with scripted_server(llm, limits=Limits(prepare_threads=1), max_waiting=0) as (url, _):
+        held: dict = {}
+        thread = threading.Thread(
+            target=lambda: held.update(
+                response=httpx.post(
+                    f"{url}/v1/completions", json={"prompt": "held", "max_tokens": 4}, timeout=60
+                )
+            )
+        )
+        thread.start()
+        try:
+            assert entered.wait(30)
+            busy = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=10)
+            assert busy.status_code == 503 and "being prepared" in error_of(busy)["message"]
+            assert busy.headers["retry-after"] == "2"
+        finally:
+            release.set()
+            thread.join(timeout=60)
+        assert held["response"].status_code == 200
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert after.status_code == 200
+
+
 # ── media ────────────────────────────────────────────────────────────────────────────────────
 
 
