@@ -125,9 +125,16 @@ class LLM:
         self.tokenizer = load_tokenizer(folder)
         text = self.model.config.text
         self.generation_config = GenerationConfig.from_folder(folder, text)
-        # The tokenizer may define more ids than the model has embedding rows (the published
-        # EmbeddingGemma and Gemma 3 270M/1B map <image_soft_token> to 262144, one past their
-        # table): legal, until a prompt uses one (check_embedding_rows, before the model runs).
+        # Added tokens may reach past the embedding table (the published EmbeddingGemma and Gemma 3
+        # 270M/1B map <image_soft_token> to 262144, one past theirs): legal, until a prompt uses one
+        # (check_embedding_rows, before the model runs). Vocabulary pieces past it would come out of
+        # plain text: a tokenizer of another model.
+        pieces = self.tokenizer.backend.get_vocab_size(with_added_tokens=False)
+        if pieces > text.vocab_size:
+            raise ValueError(
+                f"{folder}: the tokenizer has {pieces} ids but the model only {text.vocab_size} "
+                "embedding rows, before any added token: is the tokenizer another model's?"
+            )
         self.processor = Processor(
             self.tokenizer,
             self.model.config,
