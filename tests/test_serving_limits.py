@@ -486,9 +486,15 @@ def test_slow_connections_are_closed_and_the_connection_cap_answers_503(llm):
         idle = [socket.create_connection(address) for _ in range(3)]
         trickle = idle[0]
         trickle.sendall(b"GET /health HTTP/1.1\r\n")  # headers begun, never finished
-        # While they are open, the cap is reached: a clean 503, not a hang.
+        # While they are open, the cap is reached: a connection beyond it gets a clean 503 as it
+        # opens and is closed (its descriptor freed), not a hang.
         with httpx.Client() as client:
-            assert client.get(f"{url}/health").status_code == 503
+            busy = client.get(f"{url}/health")
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
+        assert error_of(busy)["type"] == "server_busy" and "--max-connections" in error_of(busy)["message"]
+        status, headers, _ = raw_request(url, "GET /health HTTP/1.1\r\nHost: 127.0.0.1")
+        assert status == 503 and headers["connection"] == "close"
+        # The silent and the trickling connections are closed at the header deadline.
         assert all(closed_by_server(sock) for sock in idle)
         for sock in idle:
             sock.close()

@@ -104,7 +104,7 @@ def add_parser(commands) -> None:
         "--max-connections",
         type=int_at_least(1),
         default=256,
-        help="open connections; beyond them requests are answered 503 (default: 256)",
+        help="open connections; beyond them a connection is answered 503 and closed (default: 256)",
     )
     limits.add_argument(
         "--timeout-keep-alive",
@@ -115,8 +115,8 @@ def add_parser(commands) -> None:
     limits.add_argument(
         "--header-timeout",
         type=float_where(lambda x: x > 0, "positive"),
-        default=30.0,
-        help="seconds a connection may take to send a request's headers before it is closed (default: 30)",
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed (default: 10)",
     )
     hygiene = serve.add_argument_group("hosts and logs")
     hygiene.add_argument(

@@ -1,17 +1,39 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline for a request's headers.
+"""uvicorn's HTTP/1.1 protocol with a deadline for a request's headers and a cap on connections.
 
 uvicorn closes a kept-alive connection that stays idle (``timeout_keep_alive``), but a new
 connection that sends nothing, or its headers a byte at a time, stays open for good; each holds a
 file descriptor and counts toward ``limit_concurrency``, so a few hundred of them make the server
-answer 503 to everyone. Here a connection has ``seconds`` to complete its headers, from when it
-opens and again after each response; then it is closed.
+answer 503 to everyone, and a thousand exhaust the descriptors (then nothing is even accepted).
+Here a connection has ``seconds`` to complete its headers, from when it opens and again after each
+response; then it is closed. And a connection beyond ``limit_concurrency`` is answered 503 and
+closed as soon as it opens (uvicorn would keep it open until it sent a request), so that excess
+connections give their descriptors back at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import RETRY_AFTER_SECONDS
+
+_BUSY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "the server has too many open connections (--max-connections); retry shortly",
+            "type": "server_busy",
+            "param": None,
+            "code": None,
+        }
+    }
+).encode()
+BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    + f"retry-after: {RETRY_AFTER_SECONDS}\r\nconnection: close\r\ncontent-length: {len(_BUSY_BODY)}\r\n\r\n".encode()
+    + _BUSY_BODY
+)
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
@@ -23,6 +45,10 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+                transport.write(BUSY_RESPONSE)
+                transport.close()
+                return
             self._arm()
 
         def on_response_complete(self) -> None:
