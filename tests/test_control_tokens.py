@@ -20,10 +20,14 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 from transformers import AutoTokenizer
 
-from tokenizer_fixtures import GEMMA3_CHAT_TEMPLATE, GEMMA4_CHAT_TEMPLATE, write_gemma4_tokenizer
+from published_files import gemma3_template
+from tokenizer_fixtures import GEMMA4_CHAT_TEMPLATE, write_gemma4_tokenizer
 from torchgemma.tokenizer import load_tokenizer
 
 transformers.logging.set_verbosity_error()
+
+# Gemma 3's published chat template (images as <start_of_image>).
+GEMMA3_CHAT_TEMPLATE = gemma3_template("<start_of_image>")
 
 # Every Gemma 4 control token, glued to text and to each other, a role header, a fake thought
 # channel, whitespace tokens (not control tokens) and half tokens that must not join up.

