@@ -260,10 +260,12 @@ def test_tensor_sizes_are_python_integers(tmp_path):
             GGUFError, match=r"huge\.gguf: tensor token_embd\.weight has dimensions .* more than"
         ):
             read_gguf_metadata(path)
-    # Within int64 but past the file's end: the byte count, a Python int, is compared with the size.
-    path.write_bytes(
-        gguf_bytes(gemma3_keys(1), [tensor_info("blk.0.attn_norm.weight", (2**40, 2**20))], bytes(64))
-    )
+    # Within int64 but past the file's end: the byte count, a Python int, is compared with the size
+    # (the layer's other tensors, which every layer has, are there so that this is what is refused).
+    layer = [tensor_info("blk.0.attn_norm.weight", (2**40, 2**20))] + [
+        tensor_info(f"blk.0.{name}.weight", (8,)) for name in ("attn_q", "attn_output")
+    ]
+    path.write_bytes(gguf_bytes(gemma3_keys(1), layer, bytes(64)))
     with pytest.raises(
         GGUFError, match=r"truncated: tensor blk\.0\.attn_norm\.weight needs bytes up to \d{19}"
     ):

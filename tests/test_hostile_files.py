@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -25,154 +27,31 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
 
+import hostile_ops
+from test_gguf_limits import gemma3_keys, gguf_bytes, tensor_info, u32
 from torchgemma import kernels
 from torchgemma.kernels import library
+from torchgemma.weights.gguf import GGUFError, blocks, read_gguf
+from torchgemma.weights.gguf.reader import _GGUFFile
 
 HERE = Path(__file__).parent
 
 # ── operators called directly ──────────────────────────────────────────────────────────────────
 #
-# Each case: (name, call, expected), `expected` either the output shape(s) (an empty input gives an
-# empty output, as the math says) or the text the error must contain (the operator's name and what
-# is wrong). The cases run in one child process (a crash is a signal, not an exception): under every
-# instruction set the CPU runs (kernels.set_isa), then on the pure-PyTorch references (each
-# Operator's `reference`, the function TORCHGEMMA_ISA=reference and every other device dispatch to).
-
-_OPS = torch.ops.torchgemma  # what the cases call: the dispatcher, or (for "reference") the references
-
-
-def _weight(n: int, k: int, bits: int, group: int = 32):
-    q = torch.zeros(n, kernels.packed_width(k, bits), dtype=torch.int8 if bits == 8 else torch.uint8)
-    scales = torch.ones(n, k // group)
-    return q, scales, torch.zeros_like(scales)
-
-
-PRODUCTS = ("qlinear", "qlinear_dense", "qlinear_int", "qlinear_bounds", "dequantize", "row_norms")
-
-
-def _product(op: str, x, q, scales, mins, bits: int, group: int):
-    """One call of a quantized-weight operator, each with the arguments its schema takes."""
-    f = getattr(_OPS, op)
-    if op == "dequantize":
-        return f(q, scales, mins, bits, group)
-    if op == "row_norms":
-        return f(q, scales, bits, group)
-    if op == "qlinear_bounds":
-        return f(x, q, scales, mins, bits, group, torch.ones(q.shape[0]))
-    if op == "qlinear_int":
-        return f(x, q, scales, mins, bits, group, 8)
-    return f(x, q, scales, mins, bits, group)
-
-
-def _product_cases(op: str, bits: int) -> list[tuple[str, tuple, object]]:
-    """(label, _product's arguments after op, expected) for one operator and width."""
-    q, scales, mins = _weight(4, 64, bits)  # 4 rows of 64 features
-    x = torch.ones(2, 64)
-
-    def shape(m: int, n: int, k: int):  # the result for x (m, k) and a weight (n, k)
-        if op == "qlinear_bounds" and bits == 5:
-            return "qlinear_bounds: bits must be 8 or 4, got 5"  # the greedy head takes no 5-bit rows
-        return {"dequantize": [[n, k]], "row_norms": [[n]], "qlinear_bounds": [[m, n], [m, n]]}.get(
-            op, [[m, n]]
-        )
-
-    no_features = torch.zeros(4, 0, dtype=q.dtype)
-    cases = [
-        ("0 rows", (torch.ones(3, 64), *_weight(0, 64, bits), bits, 32), shape(3, 0, 64)),
-        ("0 features", (torch.ones(3, 0), no_features, torch.ones(4, 0), None, bits, 32), f"{op}: qweight [4, 0] has no input features"),
-        ("scales too few", (x, q, torch.ones(4, 1), None, bits, 32), f"{op}: scales must be"),
-        ("scales 1-D", (x, q, torch.ones(8), None, bits, 32), f"{op}: scales must be"),
-        ("qweight 1-D", (x, q.reshape(-1), scales, None, bits, 32), f"{op}: qweight must be a"),
-    ]  # fmt: skip
-    cases += [
-        (f"group {group}", (x, q, scales, mins, bits, group), f"{op}: group size {group} does not divide 64")
-        for group in (0, -32, 48)
-    ]
-    if op != "row_norms":  # the one that takes no mins
-        cases.append(("mins too few", (x, q, scales, torch.ones(2, 2), bits, 32), f"{op}: mins must be"))
-    if op not in ("dequantize", "row_norms"):  # the ones that take an x
-        cases += [
-            ("0 inputs", (torch.ones(0, 64), q, scales, mins, bits, 32), shape(0, 4, 64)),
-            ("x of 32 features", (torch.ones(2, 32), q, scales, mins, bits, 32), f"{op}: input x [2, 32] must end in the 64 features"),
-            ("x 0-D", (torch.ones(()), q, scales, mins, bits, 32), f"{op}: input x [] must end in the 64 features"),
-        ]  # fmt: skip
-    return cases
-
-
-def _op_cases() -> list[tuple[str, object, object]]:
-    """(name, a call of no arguments, expected) for every hostile case."""
-    cases = [
-        (f"{op}/{bits}-bit/{label}", lambda op=op, args=args: _product(op, *args), expected)
-        for bits in (4, 5, 8)
-        for op in PRODUCTS
-        for label, args, expected in _product_cases(op, bits)
-    ]
-    int8, x = torch.zeros(4, 64, dtype=torch.int8), torch.ones(2, 64)
-    k = torch.ones(1, 2, 5, 8)  # one sequence's keys (and values): 2 KV heads, 5 positions, width 8
-    others = [  # (op, label, arguments, expected)
-        ("qlinear", "bits 3", (x, int8, torch.ones(4, 2), None, 3, 32), "qlinear: bits must be 4, 5 or 8"),
-        ("qlinear", "qweight int32", (x, int8.int(), torch.ones(4, 2), None, 8, 32), "qlinear: qweight of bits 8 must be"),
-        ("qlinear_int", "x_bits 4", (x, int8, torch.ones(4, 2), None, 8, 32, 4), "qlinear_int: x_bits must be 8 or 16"),
-        ("qlinear_int", "48 features", (torch.ones(2, 48), int8[:, :48].contiguous(), torch.ones(4, 3), None, 8, 16, 8), "qlinear_int"),
-        ("qlinear_bounds", "3 row norms", (x, int8, torch.ones(4, 2), None, 8, 32, torch.ones(3)), "qlinear_bounds: row_norms must be float32 (4)"),
-        ("bounded_candidates", "0 rows", (torch.ones(0, 5), torch.ones(0, 5)), [[0], [0]]),
-        ("bounded_candidates", "0 columns", (torch.ones(3, 0), torch.ones(3, 0)), "bounded_candidates: approx [3, 0] has no columns"),
-        ("bounded_candidates", "two shapes", (torch.ones(3, 5), torch.ones(3, 4)), "bounded_candidates: approx and bound must be"),
-        ("bounded_candidates", "1-D", (torch.ones(5), torch.ones(5)), "bounded_candidates: approx and bound must be"),
-        ("rms_norm", "0 rows", (torch.ones(0, 8), torch.ones(8), 1e-6, True), [[0, 8]]),
-        ("rms_norm", "0 features", (torch.ones(3, 0), None, 1e-6, True), "rms_norm: x [3, 0] has no features"),
-        ("rms_norm", "0-D", (torch.ones(()), None, 1e-6, True), "rms_norm: x [] has no features"),
-        ("rms_norm", "weight short", (torch.ones(3, 8), torch.ones(7), 1e-6, True), "rms_norm: weight [7] for 8 features"),
-        ("rms_norm", "weight 2-D", (torch.ones(3, 8), torch.ones(2, 4), 1e-6, False), "rms_norm: weight [2, 4] for 8 features"),
-        ("rope", "0 positions", (torch.ones(1, 0, 3, 4), torch.ones(1, 0, 4), torch.ones(1, 0, 4)), [[1, 0, 3, 4]]),
-        ("rope", "0 heads", (torch.ones(1, 2, 0, 4), torch.ones(1, 2, 4), torch.ones(1, 2, 4)), [[1, 2, 0, 4]]),
-        ("rope", "odd width", (torch.ones(1, 2, 3, 5), torch.ones(1, 2, 5), torch.ones(1, 2, 5)), "rope: x (B, T, H, D)"),
-        ("rope", "tables of 3 positions", (torch.ones(1, 2, 3, 4), torch.ones(1, 3, 4), torch.ones(1, 3, 4)), "rope: x (B, T, H, D)"),
-        ("rope", "sin half as wide", (torch.ones(1, 2, 3, 4), torch.ones(1, 2, 4), torch.ones(1, 2, 2)), "rope: x (B, T, H, D)"),
-        ("rope", "3-D", (torch.ones(2, 3, 4), torch.ones(2, 3, 4), torch.ones(2, 3, 4)), "rope: x (B, T, H, D)"),
-        ("decode_attention", "0 KV heads", (torch.ones(1, 4, 1, 8), k[:, :0], k[:, :0], 0.5), "decode_attention"),
-        ("decode_attention", "0 of both heads", (torch.ones(1, 0, 1, 8), k[:, :0], k[:, :0], 0.5), "decode_attention"),
-        ("decode_attention", "0 keys", (torch.ones(1, 4, 1, 8), k[:, :, :0], k[:, :, :0], 0.5), "decode_attention"),
-        ("decode_attention", "3 heads over 2", (torch.ones(1, 3, 1, 8), k, k, 0.5), "decode_attention"),
-        ("decode_attention", "2 queries", (torch.ones(1, 4, 2, 8), k, k, 0.5), "decode_attention"),
-        ("decode_attention", "values of 4 keys", (torch.ones(1, 4, 1, 8), k, k[:, :, :4], 0.5), "decode_attention"),
-        ("decode_attention", "0 heads", (torch.ones(1, 0, 1, 8), k, k, 0.5), [[1, 1, 0, 8]]),
-        ("decode_attention", "0 sequences", (torch.ones(0, 4, 1, 8), k[:0], k[:0], 0.5), [[0, 1, 4, 8]]),
-        ("decode_attention", "0 width", (torch.ones(1, 4, 1, 0), k[..., :0], k[..., :0], 0.5), [[1, 1, 4, 0]]),
-    ]  # fmt: skip
-    cases += [
-        (f"{op}/{label}", lambda op=op, args=args: getattr(_OPS, op)(*args), expected)
-        for op, label, args, expected in others
-    ]
-    return cases
-
-
-def _run_op_cases(isas: list[str]) -> None:
-    """In a child: every case under each set in `isas` ("reference": the references), one JSON line
-    before each call (so that a crash names its case) and one with its outcome."""
-    global _OPS
-    cases = _op_cases()
-    for isa in isas:
-        if isa == "reference":
-            _OPS = type("References", (), {op.name: staticmethod(op.reference) for op in kernels.OPERATORS})
-        else:
-            kernels.set_isa(isa)
-        for name, call, _ in cases:
-            print(json.dumps({"start": f"{isa}:{name}"}), flush=True)
-            try:
-                out = call()
-                outs = out if isinstance(out, tuple) else (out,)
-                result = {"shapes": [list(t.shape) for t in outs]}
-            except Exception as err:  # noqa: BLE001 - the type is part of what is checked
-                result = {"error": f"{type(err).__name__}: {err}"}
-            print(json.dumps({"case": f"{isa}:{name}", **result}), flush=True)
+# The cases: tests/hostile_ops.py.
 
 
 def _op_outcomes(isas: list[str]) -> dict[str, dict]:
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_hostile_files as t; t._run_op_cases({isas!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import hostile_ops; hostile_ops.run_cases({isas!r})"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     started = [line["start"] for line in lines if "start" in line]
@@ -184,7 +63,7 @@ def _op_outcomes(isas: list[str]) -> dict[str, dict]:
 
 
 def _check_outcomes(outcomes: dict[str, dict], isas: list[str]) -> None:
-    cases = _op_cases()
+    cases = hostile_ops.cases()
     wrong = []
     for isa in isas:
         for name, _, expected in cases:
@@ -413,3 +292,214 @@ def test_concurrent_assemblies_each_write_their_own_file(assembly):
     assert not list(folder.glob("*.partial"))
     stamp = (folder / "model.gguf.verified").read_text()
     assert stamp.split()[-1] == package.EXPECTED_SHA256
+
+
+# ── GGUF tensors that share bytes, sit off their alignment, or hold NaN ───────────────────────────
+
+
+EVERY_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_output.weight")
+
+
+def _layer_file(path: Path, offsets: dict[str, int], data_bytes: int, keys=()) -> Path:
+    """A one-layer Gemma 3 header whose three tensors (float32: a 64-value norm, 256 bytes, and two
+    64 x 64 matrices, 16 KiB each) start at `offsets` within the data section."""
+    dims = {"attn_norm.weight": (64,), "attn_q.weight": (64, 64), "attn_output.weight": (64, 64)}
+    tensors = [tensor_info(f"blk.0.{name}", dims[name], T.F32, offsets[name]) for name in EVERY_LAYER]
+    path.write_bytes(gguf_bytes(gemma3_keys(1) + list(keys), tensors, bytes(data_bytes)))
+    return path
+
+
+SEQUENTIAL = {"attn_norm.weight": 0, "attn_q.weight": 256, "attn_output.weight": 256 + 16384}
+
+
+@pytest.mark.parametrize(
+    "case, offsets, error",
+    [
+        (
+            "aliased",  # two tensors on the same bytes
+            {**SEQUENTIAL, "attn_output.weight": 256},
+            r"tensors blk\.0\.attn_(q|output)\.weight \(bytes \d+-\d+\) and blk\.0\.attn_(q|output)\.weight "
+            r"\(bytes \d+-\d+\) overlap",
+        ),
+        (
+            "overlapping",  # the second starts inside the first
+            {**SEQUENTIAL, "attn_output.weight": 256 + 8192},
+            r"tensors blk\.0\.attn_q\.weight \(bytes \d+-\d+\) and blk\.0\.attn_output\.weight \(bytes \d+-\d+\) "
+            r"overlap",
+        ),
+        (
+            "contained",  # the norm's 256 bytes inside a matrix's 16 KiB
+            {**SEQUENTIAL, "attn_norm.weight": 512},
+            r"tensors blk\.0\.attn_q\.weight \(bytes \d+-\d+\) and blk\.0\.attn_norm\.weight \(bytes \d+-\d+\) "
+            r"overlap",
+        ),
+        (
+            "unaligned",  # GGUF's default alignment is 32
+            {**SEQUENTIAL, "attn_q.weight": 272, "attn_output.weight": 272 + 16384},
+            r"tensor blk\.0\.attn_q\.weight starts at offset 272 of the data section, not a multiple of its "
+            r"alignment 32",
+        ),
+        (
+            "beyond the file",
+            {**SEQUENTIAL, "attn_output.weight": 256 + 16384 + 64},
+            r"is truncated: tensor blk\.0\.attn_output\.weight needs bytes up to",
+        ),
+    ],
+)
+def test_tensors_that_share_bytes_or_leave_their_place_are_refused_by_name(tmp_path, case, offsets, error):
+    path = _layer_file(tmp_path / f"{case}.gguf", offsets, 256 + 2 * 16384)
+    with pytest.raises(GGUFError, match=error):
+        read_gguf(path)
+
+
+def test_tensors_laid_out_as_the_format_says_pass(tmp_path):
+    _GGUFFile(_layer_file(tmp_path / "fine.gguf", SEQUENTIAL, 256 + 2 * 16384)).check_tensors()
+    # Gaps between tensors are allowed (only shared bytes are not), and a file's own alignment rules.
+    spaced = {"attn_norm.weight": 0, "attn_q.weight": 1024, "attn_output.weight": 32768}
+    _GGUFFile(_layer_file(tmp_path / "gaps.gguf", spaced, 32768 + 16384)).check_tensors()
+    wide = [u32("general.alignment", 1024)]
+    with pytest.raises(
+        GGUFError, match=r"attn_q\.weight starts at offset 256 of the data section, not a multiple "
+    ):
+        _GGUFFile(_layer_file(tmp_path / "wide.gguf", SEQUENTIAL, 256 + 2 * 16384, wide)).check_tensors()
+    # (gguf_bytes pads the header to 32 bytes, the reader to 1024: 1024 more bytes keep the data in the file)
+    _GGUFFile(_layer_file(tmp_path / "wide-ok.gguf", spaced, 32768 + 16384 + 1024, wide)).check_tensors()
+
+
+def _tiny_gemma3(path: Path) -> Path:
+    """A one-layer Gemma 3 GGUF that loads (Q8_0 matrices, float32 norms), written in ~0.1 s."""
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(8)
+    writer.add_rope_freq_base(10000.0)
+    matrices = {
+        "token_embd.weight": (64, 64), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
+        "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_gate.weight": (128, 64),
+        "blk.0.ffn_up.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128),
+    }  # fmt: skip
+    for name, shape in matrices.items():
+        writer.add_tensor(
+            name, quantize(rng.standard_normal(shape).astype(np.float32), T.Q8_0), raw_dtype=T.Q8_0
+        )
+    for name in (
+        "output_norm",
+        "blk.0.attn_norm",
+        "blk.0.post_attention_norm",
+        "blk.0.ffn_norm",
+        "blk.0.post_ffw_norm",
+    ):
+        writer.add_tensor(f"{name}.weight", (1 + rng.standard_normal(64) / 8).astype(np.float32))
+    for name in ("blk.0.attn_q_norm", "blk.0.attn_k_norm"):
+        writer.add_tensor(f"{name}.weight", (1 + rng.standard_normal(16) / 8).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _poke(path: Path, tensor: str, at: int, value: bytes) -> None:
+    """Overwrite bytes `at` of a tensor's data in the file."""
+    offset = _GGUFFile(path).tensors[tensor].offset
+    with open(path, "r+b") as file:
+        file.seek(offset + at)
+        file.write(value)
+
+
+NAN16, INF32 = struct.pack("<H", 0x7E00), struct.pack("<f", float("inf"))
+
+
+@pytest.mark.parametrize(
+    "tensor, hf_name, at, value, what",
+    [  # Q8_0 blocks are 34 bytes, the scale first: block 3's scale at byte 102
+        (
+            "blk.0.attn_q.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            3 * 34,
+            NAN16,
+            "block scale in block 3",
+        ),
+        (
+            "blk.0.ffn_norm.weight",
+            "model.layers.0.pre_feedforward_layernorm.weight",
+            5 * 4,
+            INF32,
+            "value in block 5",
+        ),
+    ],
+)
+def test_non_finite_weights_are_refused_at_load_by_name(tmp_path, tensor, hf_name, at, value, what):
+    """A NaN scale or an infinite norm value: before, the model loaded and decoded token 0 forever; now
+    loading says which tensor, whichever way it is loaded (dequantized, or kept as GGUF blocks)."""
+    import torchgemma
+
+    path = _tiny_gemma3(tmp_path / "fine.gguf")
+    torchgemma.load(str(path), quantize="gguf")  # the file as written loads
+    _poke(path, tensor, at, value)
+    error = rf"fine\.gguf: tensor {re.escape(tensor)} \({re.escape(hf_name)}, (Q8_0|F32)\) holds a NaN or infinite {what}"
+    with pytest.raises(GGUFError, match=error):
+        read_gguf(path).tensor(hf_name)
+    for quantize_mode in (None, "gguf"):
+        with pytest.raises(GGUFError, match=error):
+            torchgemma.load(str(path), quantize=quantize_mode)
+
+
+@pytest.mark.parametrize("qtype", sorted(blocks._HALF_FIELDS.keys() | blocks._FLOAT_LIMITS.keys(), key=int))
+def test_every_block_field_and_float_value_is_checked(qtype):
+    """Each verified type with one NaN or infinity put in each of its float16 fields (or a value), in
+    the last of 3 blocks: refused when asked (finite=True, as the checkpoint asks); decoded as ggml
+    decodes it otherwise (the decoder's contract: any bytes, ggml's values)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if qtype in blocks._FLOAT_LIMITS:
+        kind = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.float32}[qtype]
+        places = [
+            (size * 2, np.array([np.nan], kind).view(np.uint8)[-size:]),
+            (size, np.array([-np.inf], kind).view(np.uint8)[-size:]),
+        ]
+    else:
+        places = [(2 * size + at, np.frombuffer(NAN16, np.uint8)) for at in blocks._HALF_FIELDS[qtype]]
+        places.append(
+            (2 * size + blocks._HALF_FIELDS[qtype][0], np.frombuffer(struct.pack("<H", 0xFC00), np.uint8))
+        )
+    shape = (1, 3 * block)
+    for at, value in places:
+        raw = np.zeros(3 * size, np.uint8)
+        raw[at : at + len(value)] = value
+        with pytest.raises(
+            blocks.NonFiniteWeights, match=r"a NaN or infinite (block scale|value) in block (1|2)"
+        ):
+            blocks.dequantize(raw, qtype, shape, finite=True)
+        if qtype in blocks.INT_TYPES:
+            with pytest.raises(blocks.NonFiniteWeights):
+                blocks.grouped_ints(raw.reshape(1, -1), qtype, shape, finite=True)
+        assert not torch.isfinite(blocks.dequantize(raw, qtype, shape)).all()  # finite=False: ggml's values
+
+
+def test_a_512_layer_header_without_its_layers_is_refused_before_any_model_is_built(tmp_path):
+    """block_count 512 (llama.cpp's most) and one small tensor per layer: refused from the tensor
+    table in milliseconds; before, a 512-layer model was built on the meta device to compare shapes
+    against (6-14 s on a 2-core machine) before the same refusal."""
+    import torchgemma
+
+    n = 512
+    tensors = [tensor_info(f"blk.{i}.attn_norm.weight", (64,), T.F32, 256 * i) for i in range(n)]
+    path = tmp_path / "layers.gguf"
+    path.write_bytes(gguf_bytes(gemma3_keys(n), tensors, bytes(256 * n)))
+    error = (
+        r"layers\.gguf: every layer needs attn_norm\.weight, attn_q\.weight, attn_output\.weight; its tensor "
+        r"table lacks 1024 of them, e\.g\. blk\.0\.attn_q\.weight"
+    )
+    for read in (read_gguf, lambda p: torchgemma.load(str(p))):
+        start = time.perf_counter()
+        with pytest.raises(GGUFError, match=error):
+            read(path)
+        assert time.perf_counter() - start < 1.0

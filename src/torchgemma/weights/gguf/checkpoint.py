@@ -7,13 +7,14 @@ the tensors are the ones the model that config builds takes, each with its shape
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ...config import ConfigError, ModelConfig
-from .blocks import INT_TYPES, SUPPORTED_TYPES, GroupedInts, dequantize, grouped_ints
+from .blocks import INT_TYPES, SUPPORTED_TYPES, GroupedInts, NonFiniteWeights, dequantize, grouped_ints
 from .metadata import read_config
 from .names import SUPPORTED_ARCHITECTURES, Entry, check_layers, hf_shape, plan_tensors
 from .reader import GGUFError, _GGUFFile
@@ -36,8 +37,7 @@ class GGUFCheckpoint:
         self._file = file
         self._gguf = file.tensors
         check_layers(file, self.architecture)  # before anything is built per layer
-        for info in self._gguf.values():
-            file.check(info)
+        file.check_tensors()  # types, sizes, alignment, bounds, and no shared bytes
         self.config = read_config(file)
         self._entries, self.skipped = plan_tensors(self.architecture, self.config, self._gguf, file.name)
         self._by_name = {e.hf_name: e for e in self._entries}
@@ -88,9 +88,14 @@ class GGUFCheckpoint:
         if self.int_format(hf_name) is None:
             raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
         info = self._gguf[self._entry(hf_name).sources[0]]
-        ints = grouped_ints(
-            self._file.raw(info), info.qtype, info.shape, lambda a, b: self._file.release(info, a, b)
-        )
+        with self._naming(info, hf_name):
+            ints = grouped_ints(
+                self._file.raw(info),
+                info.qtype,
+                info.shape,
+                lambda a, b: self._file.release(info, a, b),
+                finite=True,
+            )
         self._file.release(info)
         return ints
 
@@ -120,20 +125,36 @@ class GGUFCheckpoint:
         except KeyError:
             raise KeyError(f"{self.path.name} has no tensor {hf_name!r}") from None
 
+    @contextlib.contextmanager
+    def _naming(self, info, hf_name: str) -> Iterator[None]:
+        """The block readers refuse NaN and infinite weights (blocks.NonFiniteWeights), found at load
+        rather than as NaN logits that decode token 0 forever; this names the tensor."""
+        try:
+            yield
+        except NonFiniteWeights as err:
+            raise GGUFError(
+                f"{self.path.name}: tensor {info.name} ({hf_name}, {info.type_name}) holds {err}; the model "
+                f"would compute NaN"
+            ) from None
+
+    def _decoded(self, info, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        with self._naming(info, hf_name):
+            return dequantize(self._file.raw(info), info.qtype, info.shape, dtype, finite=True)
+
     def _load(self, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
         parts = [self._gguf[s] for s in entry.sources]
         if entry.shift_norm:
             # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
             # float32, where the converter added it, before any cast.
             (info,) = parts
-            tensor = (dequantize(self._file.raw(info), info.qtype, info.shape) - 1.0).to(dtype)
+            tensor = (self._decoded(info, entry.hf_name) - 1.0).to(dtype)
         elif entry.part is not None:
             # A stacked source: dequantized whole (in float32, then cast), one matrix kept, copied
             # out (a view would keep the whole stack alive in the parameter that adopts it).
             (info,) = parts
-            tensor = dequantize(self._file.raw(info), info.qtype, info.shape)[entry.part].clone().to(dtype)
+            tensor = self._decoded(info, entry.hf_name)[entry.part].clone().to(dtype)
         else:
-            values = [dequantize(self._file.raw(t), t.qtype, t.shape, dtype) for t in parts]
+            values = [self._decoded(t, entry.hf_name, dtype) for t in parts]
             tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         for info in parts:
             self._file.release(info)

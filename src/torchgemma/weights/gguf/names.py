@@ -104,6 +104,9 @@ class ArchNames:
     stacked: dict[str, str] = field(default_factory=dict)
     # Gate and up experts may come as two tensors (_SPLIT_EXPERTS).
     split_experts: bool = False
+    # What every layer holds, whatever its type (sliding or full, KV-shared, MoE): its input norm,
+    # query and output projections. Checked on the tensor table before any model is built.
+    every_layer: tuple[str, ...] = ("attn_norm.weight", "attn_q.weight", "attn_output.weight")
 
 
 ARCHITECTURES = {
@@ -125,7 +128,10 @@ class Entry:
 
 
 def check_layers(file: _GGUFFile, arch: str) -> None:
-    """The layer count must be what the tensor table holds: blk.0.* to blk.{n-1}.*, each present."""
+    """The layer count must be what the tensor table holds: blk.0.* to blk.{n-1}.*, each present
+    with the tensors every layer has (``ArchNames.every_layer``). Read from the table alone, so that a
+    file claiming many layers it does not hold is refused at once, not after a model of that many
+    layers is built to compare shapes against (512 layers: seconds)."""
     key = f"{arch}.block_count"
     if key not in file.metadata:
         raise GGUFError(f"{file.name} lacks the metadata key {key}")
@@ -134,6 +140,18 @@ def check_layers(file: _GGUFFile, arch: str) -> None:
     if found != list(range(n_layers)):
         held = f"blk.N tensors for {len(found)} layers ({_spans(found)})" if found else "no blk.N tensors"
         raise GGUFError(f"{file.name}: metadata key {key} is {n_layers}, but its tensor table has {held}")
+    required = ARCHITECTURES[arch].every_layer
+    lacking = [
+        f"blk.{i}.{suffix}"
+        for i in range(n_layers)
+        for suffix in required
+        if f"blk.{i}.{suffix}" not in file.tensors
+    ]
+    if lacking:
+        raise GGUFError(
+            f"{file.name}: every layer needs {', '.join(required)}; its tensor table lacks {len(lacking)} of "
+            f"them, e.g. {', '.join(lacking[:4])}"
+        )
 
 
 def _spans(numbers: list[int]) -> str:

@@ -124,6 +124,7 @@ class _GGUFFile:
         alignment = self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{self.name}: general.alignment {alignment!r} is not a power of two")
+        self.alignment = alignment
         self.data_offset = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, _TensorInfo] = {}
         for name, dims, type_id, offset in infos:
@@ -227,7 +228,8 @@ class _GGUFFile:
     # -- tensor data -------------------------------------------------------------------------------
 
     def check(self, info: _TensorInfo) -> None:
-        """Raise unless the tensor's type is known, its rows fill whole blocks and its bytes are in the file."""
+        """Raise unless the tensor's type is known, its rows fill whole blocks, its data starts on the
+        file's alignment and its bytes are in the file."""
         if info.qtype is None:
             raise GGUFError(
                 f"{self.name}: tensor {info.name} has {info.type_name}, not a known quantization type"
@@ -238,11 +240,42 @@ class _GGUFFile:
                 f"{self.name}: tensor {info.name} of type {info.type_name} has rows of {info.dims[0]} values, "
                 f"not a multiple of its block size {block}"
             )
+        # GGUF: "the offset of each tensor's data must be a multiple of ALIGNMENT" (llama.cpp's
+        # gguf_init_from_file refuses a file where it is not).
+        if (info.offset - self.data_offset) % self.alignment:
+            raise GGUFError(
+                f"{self.name}: tensor {info.name} starts at offset {info.offset - self.data_offset} of the data "
+                f"section, not a multiple of its alignment {self.alignment}"
+            )
         end = info.offset + info.n_bytes
         if end > self.size:
             raise GGUFError(
                 f"{self.name} is truncated: tensor {info.name} needs bytes up to {end}, file has {self.size}"
             )
+
+    def check_tensors(self) -> None:
+        """``check`` every tensor, then that no two share a byte: a tensor whose bytes overlap (or
+        alias) another's would read the other's data as its own, and its size would not be what its
+        type and shape say. llama.cpp refuses such files (it requires each tensor to start where the
+        one before it ends, padded to the alignment); this is the weaker condition that makes every
+        read safe, in O(n log n). Errors name both tensors and their byte ranges."""
+        for info in self.tensors.values():
+            self.check(info)
+        spans = sorted(
+            (info.offset, info.offset + info.n_bytes, info.name)
+            for info in self.tensors.values()
+            if info.n_bytes
+        )
+        reach, holder = -1, None  # the furthest end so far, and whose it is
+        for start, end, name in spans:
+            if start < reach:
+                first = self.tensors[holder]
+                raise GGUFError(
+                    f"{self.name}: tensors {holder} (bytes {first.offset}-{first.offset + first.n_bytes}) and {name} "
+                    f"(bytes {start}-{end}) overlap: each tensor's {self.alignment}-aligned data must have bytes "
+                    f"of its own"
+                )
+            reach, holder = end, name
 
     def release(self, info: _TensorInfo, begin: int = 0, end: int | None = None) -> None:
         """Drop the tensor's pages (or those of its bytes ``begin:end``) from this process's memory
