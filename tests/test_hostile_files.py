@@ -154,6 +154,22 @@ def test_a_killed_build_leaves_no_lock_behind(build_cache, capsys):
     assert not list(folder.glob("torchgemma-build-*"))  # the dead build's scratch folder removed
 
 
+def test_a_stale_torch_file_baton_does_not_hold_the_build(build_cache, capsys):
+    """What the reported hang was: torch's JIT FileBaton (the lock of older versions) is a file that
+    exists while its holder runs, and a killed holder leaves it, so every later build waited on it
+    forever. A baton taken and never released, as a SIGKILL leaves it, at the very path the library
+    locks: the next use proceeds at once (the library never waits on a file's existence)."""
+    from torch.utils.file_baton import FileBaton
+
+    folder, built = build_cache
+    assert FileBaton(str(folder / "lock")).try_acquire()  # created and held; never released
+    assert not FileBaton(str(folder / "lock")).try_acquire()  # torch's JIT would now wait on it
+    start = time.monotonic()
+    path = library._cached("test")
+    assert time.monotonic() - start < library.LOCK_QUIET_SECONDS
+    assert built == [path] and "waiting" not in capsys.readouterr().err
+
+
 def test_a_wait_for_another_build_is_said_and_ends_when_its_holder_dies(build_cache, capsys):
     folder, built = build_cache
     holder = _hold_lock(folder / "lock")
