@@ -59,10 +59,6 @@ def load_image(image, where: str):
     return image
 
 
-def decode_image(url: str, where: str, budget: MediaBudget | None = None):
-    return load_image(open_image(url, where, budget), where)
-
-
 def audio_bytes(payload: str, fmt: str, where: str) -> bytes:
     """An ``input_audio`` part's WAV file, base64-decoded (not yet parsed)."""
     if fmt != "wav":
@@ -79,12 +75,6 @@ def check_wav(data: bytes, where: str, budget: MediaBudget | None = None) -> Non
     seconds = wav_seconds(data)
     if budget is not None and seconds is not None:
         budget.add_audio(min(seconds, HEARD_SECONDS), where)
-
-
-def decode_audio(payload: str, fmt: str, where: str, budget: MediaBudget | None = None):
-    data = audio_bytes(payload, fmt, where)
-    check_wav(data, where, budget)
-    return decode_wav_upload(data, where)
 
 
 def decode_wav_upload(data: bytes, where: str = "file"):

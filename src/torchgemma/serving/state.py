@@ -141,7 +141,7 @@ class ServerState:
         limit = self.max_prompt_chars
         if limit is not None and chars > limit:
             raise bad_request(
-                f"the prompt has {chars:,} characters: more than {self.max_len} tokens of prompt and "
+                f"the prompt has {chars:,} characters: more than {self.context_limit} tokens of prompt and "
                 f"reply together (this server's limit) can hold, since no token covers more than "
                 f"{limit // self.context_limit} characters (refused before tokenizing)",
                 param,
