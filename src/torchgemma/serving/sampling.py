@@ -38,7 +38,8 @@ def sampling_args(
             "context_length_exceeded",
         )
     vocab = state.llm.model.config.text.vocab_size
-    outside = sorted(t for t in body.logit_bias or {} if not 0 <= t < vocab)
+    bias = getattr(body, "logit_bias", None)  # (transcriptions take no bias)
+    outside = sorted(t for t in bias or {} if not 0 <= t < vocab)
     if outside:
         raise bad_request(
             f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})", "logit_bias"
@@ -51,7 +52,7 @@ def sampling_args(
             min_p=body.min_p,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
-            logit_bias=body.logit_bias,
+            logit_bias=bias,
         )
     except ValueError as error:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
