@@ -123,3 +123,17 @@ def test_engine_redraws_until_the_constraint_allows(gen_checkpoints):
         while engine.has_unfinished_requests():
             tokens += [output.token_id for output in engine.step()]
         assert tokens == [42, 43, 44, 1]
+
+
+def test_allowed_tokens_are_exactly_what_allows_accepts():
+    """JSONObject.allowed_tokens (a walk of the sorted vocabulary, remembered per recognizer state)
+    equals asking ``allows`` about every id, stop ids included, before and after the object closes."""
+    vocabulary = [b"{", b'"a"', b":", b" 1", b"}", None, b"x", b"1}", b" ", b'"', b"ab", b'a"', b"{}", b"}}"]
+    stop = 5
+    for text_ids in ([], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 7], [0, 9], [0, 9, 10]):
+        for _ in range(2):  # the second time from what the first walk remembered
+            constraint = JSONObject(vocabulary, stop_ids=[stop])
+            for token in text_ids:
+                constraint.advance(token)
+            expected = [t for t in range(len(vocabulary)) if constraint.allows(t)]
+            assert sorted(constraint.allowed_tokens(10**6)) == expected, text_ids

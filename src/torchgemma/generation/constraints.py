@@ -276,19 +276,18 @@ class JSONObject:
         found within it (sets found whole are remembered per recognizer state)."""
         index = sorted_vocabulary(self.vocabulary)
         key = self.prefix.key()
-        allowed = index.found.get(key)
-        if allowed is None:
-            allowed, whole = index.accepted(self.prefix, budget)
-            allowed = [t for t in allowed if t not in self.stop_ids]
+        accepted = index.found.get(key)
+        if accepted is None:
+            accepted, whole = index.accepted(self.prefix, budget)
             if whole:
-                index.found[key] = allowed
+                index.found[key] = accepted
                 if len(index.found) > MAX_CACHED_STATES:
                     index.found.popitem(last=False)
         else:
             index.found.move_to_end(key)
-        if self.prefix.complete:
-            allowed = allowed + sorted(self.stop_ids)
-        return allowed
+        # Stop ids are this request's: allowed once the object is complete, whatever their bytes.
+        allowed = [t for t in accepted if t not in self.stop_ids]
+        return allowed + sorted(self.stop_ids) if self.prefix.complete else allowed
 
     @property
     def complete(self) -> bool:
