@@ -187,6 +187,9 @@ class Engine:
             batch_invariant = model.dtype in (torch.bfloat16, torch.float16)
         self.batch_invariant = batch_invariant
         self._row_probe: RowProbe | None = None
+        if batch_invariant and preallocate and self.max_batch_size > 1 and self._compiled is None:
+            # A server probes as it starts rather than stall its first batch (~2 s for a 262k head).
+            self._row_probe = RowProbe.run(model.language_model, self.max_batch_size, model.dtype)
 
     # ── the contract ─────────────────────────────────────────────────────────────────────────
 
