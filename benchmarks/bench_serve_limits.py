@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, src: str | None, nofile: int | None = None):
+    def __init__(self, src: str | None, nofile: int | None = None, model: str = "gemma3-270m"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -50,7 +50,7 @@ class Server:
             "torchgemma.cli",
             "serve",
             "--model",
-            "gemma3-270m",
+            model,
             "--port",
             str(self.port),
         ]
@@ -293,13 +293,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--src", default=None, help="PYTHONPATH for the server (another checkout's src)")
+    parser.add_argument(
+        "--model", default="gemma3-270m", help="what to serve (image_bombs: one with a vision tower)"
+    )
     parser.add_argument("cases", nargs="+")
     args = parser.parse_args()
     for case in args.cases:
         if case == "video_bomb":
             print(video_bomb(args.src), flush=True)
             continue
-        server = Server(args.src, nofile=1024 if case == "slow_connections" else None)
+        server = Server(args.src, nofile=1024 if case == "slow_connections" else None, model=args.model)
         try:
             print(run_case(case, server), flush=True)
         finally:
