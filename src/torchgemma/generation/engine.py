@@ -181,10 +181,12 @@ class Engine:
         self.greedy_head = greedy_head
         # A request's bits the same alone and in any batch (generation/invariance.py): forwards over
         # several requests run request by request where this machine's kernels would round a row
-        # differently in a larger call. On by default in bf16/fp16, where tokens depend on it;
-        # float32 batches differ from alone by rounding only (~1e-6 relative per product).
+        # differently in a larger call. On by default on the CPU in bf16/fp16, where tokens depend
+        # on it; float32 batches differ from alone by rounding only (~1e-6 relative per product).
+        # GPUs leave it to the caller: cuBLAS picks kernels by row count, and running requests
+        # apart there would give up batching.
         if batch_invariant is None:
-            batch_invariant = model.dtype in (torch.bfloat16, torch.float16)
+            batch_invariant = model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
         self.batch_invariant = batch_invariant
         self._row_probe: RowProbe | None = None
         if batch_invariant and preallocate and self.max_batch_size > 1 and self._compiled is None:
