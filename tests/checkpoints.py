@@ -324,12 +324,11 @@ def build_media_chat_checkpoint(
 
 
 def reference_model(folder: Path, dtype=torch.float32):
-    """The transformers model of a saved checkpoint, with eager attention and eager experts."""
+    """The transformers model of a saved checkpoint, with eager attention and its default experts
+    (grouped_mm, as ours: tests/test_moe_default.py checks the eager experts against ours)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 

@@ -21,9 +21,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def transformers_sdpa(folder, dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa", experts_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""Logits parity with transformers 5.23 (eager attention, eager experts) on tiny random checkpoints."""
+"""Logits parity with transformers 5.23 (eager attention, default experts) on tiny random checkpoints."""
 
 import pytest
 import torch

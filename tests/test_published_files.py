@@ -101,21 +101,12 @@ def test_loads_and_matches_transformers(published_checkpoint, loaded, name):
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-MOE_GAP = (
-    "our experts add a token's k expert outputs rounded to bf16 one by one, as transformers' eager "
-    "experts; its default grouped_mm sums them in float32 and rounds once (reference §2.7)"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
         pytest.param(
             name,
-            marks=[
-                *(() if name in DEFAULT_RUN else [pytest.mark.slow]),
-                *([pytest.mark.xfail(strict=True, reason=MOE_GAP)] if name == "gemma-4-26B-A4B-it" else []),
-            ],
+            marks=() if name in DEFAULT_RUN else pytest.mark.slow,
         )
         for name in PUBLISHED_NAMES
         if name != "embeddinggemma-300m"

@@ -100,10 +100,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 def reference_model(folder: Path, dtype: torch.dtype):
     """transformers' default attention: sdpa in the text decoder and the vision tower, eager in the
-    audio tower (which has no sdpa). Experts run eagerly, as in test_attention."""
+    audio tower (which has no sdpa); its default experts (grouped_mm), as ours."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     towers = {
         name: module.config._attn_implementation
         for name, module in model.model.named_children()

@@ -10,7 +10,10 @@ recompile across steps, slot changes or occupancy. On CUDA the compiled step is 
 CUDA graphs (``mode="reduce-overhead"``, the cache buffers marked as static addresses).
 
 What changes under compilation: the mixture of experts takes its gathered (static-shape) path,
-bit-identical to the eager expert loop in bf16 on CPU; prefill is never compiled (its shapes vary).
+which sums each token's expert outputs as the uncompiled expert loop does for the model's experts
+implementation (``Experts``): the traced step's ops give the uncompiled step's bf16 bits on the CPU
+(inductor's fused kernels do not round between ops, which moves bf16 logits, dense models too);
+prefill is never compiled (its shapes vary).
 """
 
 from __future__ import annotations

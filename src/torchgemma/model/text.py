@@ -18,7 +18,7 @@ input into the other streams; at the end the streams are projected back and aver
 Per-layer differences (sliding/full geometry, KV role, MLP width and sparsity, MoE) come from
 ``LayerSpec``. Every numerics choice mirrors transformers 5.23 (``models/gemma4/modeling_gemma4.py``,
 ``models/gemma3n/modeling_gemma3n.py``) so that bf16 logits agree to the bit with its eager
-attention and eager experts.
+attention, and with either of its experts implementations (``Experts``).
 
 A forward call first lays out what its queries see (``TextModel.layout``: positions, RoPE tables,
 one mask per attention type, where the cache puts the tokens), then runs the stack on that layout.
@@ -222,20 +222,52 @@ def expert_linear(stack, expert: int, x: torch.Tensor) -> torch.Tensor:
     return stack.linear(expert, x)
 
 
+# How a token's K expert outputs are combined, named as transformers names its experts
+# implementations (``experts_implementation``); the first is the default, as in transformers.
+EXPERTS = ("grouped_mm", "eager")
+
+
+def check_experts(implementation: str) -> str:
+    if implementation not in EXPERTS:
+        raise ValueError(
+            f"unknown experts implementation {implementation!r}; use one of {', '.join(EXPERTS)}"
+        )
+    return implementation
+
+
+def _per_expert(stack, runs: list[tuple[int, int]], rows: torch.Tensor) -> torch.Tensor:
+    """rows (S, K) sorted by expert, ``runs`` (expert, first row) of each expert's run -> each run
+    times its expert's weight, (S, N)."""
+    ends = [start for _, start in runs[1:]] + [rows.shape[0]]
+    return torch.cat([expert_linear(stack, e, rows[a:b]) for (e, a), b in zip(runs, ends)])
+
+
 class Experts(nn.Module):
     """All experts' GeGLU weights as stacked tensors: gate_up_proj (E, 2I, H), gate rows first.
 
-    Two ways to the same sums: ``grouped`` (the reference's eager experts, tokens gathered per expert;
-    data-dependent shapes) and ``gathered`` (each token's K experts' weights gathered; static shapes,
-    what a compiled decode step traces). Both add each token's expert outputs in ascending expert id,
-    rounded to the model dtype one by one, so they agree to the bit in bf16.
+    ``implementation`` says how a token's K weighted expert outputs are summed, as transformers'
+    implementations of the same name do (each expert's product is the same in both):
+
+    * ``"grouped_mm"`` (transformers' default, ``integrations/moe.py``): each output times its
+      routing weight kept in float32, the K summed in float32 in routing order (``sum`` over the
+      slot dimension, as transformers), rounded to the model dtype once;
+    * ``"eager"`` (the experts module's own forward): each weighted output rounded to the model
+      dtype and added into the result expert by expert, in ascending expert id.
+
+    In bf16 the two differ by a few units in the last place of the sum, enough to part logits.
+
+    Two ways to each sum: ``grouped`` (tokens gathered per expert, one product per expert with all
+    its rows, as transformers; data-dependent shapes) and ``gathered`` (each token's K experts'
+    weights gathered; static shapes, what a compiled decode step traces). They make the same
+    products row by row and sum in the same order, so they agree to the bit in bf16.
     """
 
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, implementation: str = EXPERTS[0]):
         super().__init__()
         e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.implementation = check_experts(implementation)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x (N, H), weights/experts (N, K) -> (N, H)."""
@@ -244,31 +276,55 @@ class Experts(nn.Module):
         return self.grouped(x, weights, experts)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Expert by expert in ascending id, each expert's weighted output rounded to the model dtype
-        and accumulated with index_add_, as the reference's eager experts."""
-        out = torch.zeros_like(x)
-        for expert in torch.unique(experts).tolist():
-            # Rows in (slot, token) order: the order the reference gathers them in.
-            slot, token = torch.where(expert == experts.T)
-            gate, up = expert_linear(self.gate_up_proj, expert, x[token]).chunk(2, dim=-1)
-            y = expert_linear(self.down_proj, expert, gelu_tanh(gate) * up)
-            y = y * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        """One product per expert over all the rows routed to it, in ascending expert id, the rows
+        in the order transformers gives them (a float32 product's bits can depend on a row's place
+        in the call)."""
+        if self.implementation == "eager":
+            out = torch.zeros_like(x)
+            for expert in torch.unique(experts).tolist():
+                # Rows in (slot, token) order: the order transformers' eager experts gather them in.
+                slot, token = torch.where(expert == experts.T)
+                gate, up = expert_linear(self.gate_up_proj, expert, x[token]).chunk(2, dim=-1)
+                y = expert_linear(self.down_proj, expert, gelu_tanh(gate) * up)
+                y = y * weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+            return out
+        # transformers' grouped_mm_experts_forward: the (token, slot) pairs sorted by expert with
+        # torch.sort (the same sort, so equal ids keep the same order), one product per expert's
+        # run of rows (what torch's grouped_mm does on the CPU), the weighted rows put back in
+        # (token, slot) order and summed over the slots.
+        n, k = experts.shape
+        sorted_experts, order = torch.sort(experts.reshape(-1))
+        rows = x[order // k]
+        ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+        runs = list(zip(ids.tolist(), [0, *torch.cumsum(counts, 0).tolist()]))
+        gate, up = _per_expert(self.gate_up_proj, runs, rows).chunk(2, dim=-1)
+        y = _per_expert(self.down_proj, runs, gelu_tanh(gate) * up)
+        weighted = torch.empty_like(y, dtype=torch.promote_types(y.dtype, weights.dtype))
+        weighted[order] = y * weights.reshape(-1)[order, None]
+        return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Slot by slot over each token's experts sorted by id: (N, K) weight gathers, no host sync.
-        Reads K expert matrices per token: meant for decode-sized N."""
-        experts, order = experts.sort(dim=-1)
-        weights = weights.gather(-1, order)
+        """Slot by slot: (N, K) weight gathers, no host sync. Reads K expert matrices per token:
+        meant for decode-sized N."""
+        eager = self.implementation == "eager"
+        if eager:  # summed in ascending expert id, as the eager experts' loop
+            experts, order = experts.sort(dim=-1)
+            weights = weights.gather(-1, order)
         out = torch.zeros_like(x)
+        weighted = []
         for slot in range(experts.shape[1]):
             chosen = experts[:, slot]
             gate_up = torch.bmm(x[:, None], self.gate_up_proj[chosen].transpose(1, 2))[:, 0]  # (N, 2I)
             gate, up = gate_up.chunk(2, dim=-1)
             y = torch.bmm((gelu_tanh(gate) * up)[:, None], self.down_proj[chosen].transpose(1, 2))[:, 0]
-            out = out + (y * weights[:, slot, None]).to(out.dtype)
-        return out
+            if eager:
+                out = out + (y * weights[:, slot, None]).to(out.dtype)
+            else:
+                weighted.append(y * weights[:, slot, None])
+        # grouped_mm: the same (N, K, H) sum over the slots as ``grouped`` (inductor compiles
+        # without floating-point contraction: the products stay rounded before the sum).
+        return out if eager else torch.stack(weighted, dim=1).sum(dim=1).to(x.dtype)
 
 
 # ── AltUp and LAuReL (Gemma 3n) ────────────────────────────────────────────────────────────────
@@ -342,7 +398,7 @@ class Laurel(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, spec: LayerSpec, attention: str):
+    def __init__(self, config: TextConfig, spec: LayerSpec, attention: str, experts: str = EXPERTS[0]):
         super().__init__()
         self.spec = spec
         hidden = config.hidden_size
@@ -355,7 +411,7 @@ class DecoderLayer(nn.Module):
         if spec.moe:
             # The dense MLP above runs beside the experts; each branch has its own norms.
             self.router = Router(config)
-            self.experts = Experts(config)
+            self.experts = Experts(config, experts)
             self.pre_feedforward_layernorm_2 = text_norm(config, hidden)
             self.post_feedforward_layernorm_1 = text_norm(config, hidden)
             self.post_feedforward_layernorm_2 = text_norm(config, hidden)
@@ -433,15 +489,18 @@ class TextModel(nn.Module):
 
     ``attention`` picks the attention backend of every layer: ``"sdpa"`` (the default, fast,
     bounded memory) or ``"eager"`` (the reference's own arithmetic; the parity tests use it).
+    ``experts`` (a mixture of experts) how each token's expert outputs are summed, as transformers'
+    implementation of that name: ``"grouped_mm"`` (its default) or ``"eager"`` (see ``Experts``).
     """
 
-    def __init__(self, config: TextConfig, attention: str = "sdpa"):
+    def __init__(self, config: TextConfig, attention: str = "sdpa", experts: str = EXPERTS[0]):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
             )
         self.config = config
+        self._experts = check_experts(experts)
         hidden = config.hidden_size
         self.embed_tokens = _embedding(config.vocab_size, hidden)
         self.embed_scale = rounded_scales(hidden**0.5)
@@ -468,7 +527,7 @@ class TextModel(nn.Module):
             self.altup_unembed_projections = nn.ModuleList(
                 nn.Linear(hidden, hidden, bias=False) for _ in range(n - 1)
             )
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, attention) for spec in config.layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, attention, experts) for spec in config.layers)
         self.norm = text_norm(config, config.hidden_size)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -477,6 +536,12 @@ class TextModel(nn.Module):
     @property
     def attention(self) -> str:
         return self.layers[0].self_attn.backend
+
+    @property
+    def experts(self) -> str:
+        """How a mixture of experts sums each token's expert outputs: ``"grouped_mm"`` or
+        ``"eager"`` (recorded for a dense model too, where it changes nothing)."""
+        return self._experts
 
     @property
     def dtype(self) -> torch.dtype:
@@ -491,6 +556,13 @@ class TextModel(nn.Module):
             )
         for layer in self.layers:
             layer.self_attn.backend = backend
+
+    def set_experts(self, implementation: str) -> None:
+        """Switch every mixture of experts to another implementation (``"grouped_mm"`` or ``"eager"``)."""
+        self._experts = check_experts(implementation)
+        for layer in self.layers:
+            if layer.spec.moe:
+                layer.experts.implementation = implementation
 
     # ── embeddings and head ──────────────────────────────────────────────────────────────────
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..config import ModelConfig
 from ..model import Gemma
 from ..model.attention import ATTENTION_BACKENDS
+from ..model.text import check_experts
 from ..placement import offload_per_layer_table
 from ..quantization import QuantizationPlan, QuantizedWeight
 from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tensor_nbytes
@@ -79,6 +80,7 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     attention: str = "sdpa",
+    experts: str = "grouped_mm",
     progress: bool = True,
     quantize: str | None = "auto",
     per_layer_table: str = "auto",
@@ -91,8 +93,11 @@ def load(
     would overflow); float16 is refused. ``device`` defaults to the CPU. Tensors are read
     memory-mapped one at a time into the built model, so memory peaks at the model plus its largest
     tensor. ``attention`` is the text decoder's and vision tower's backend: ``"sdpa"`` (fast,
-    bounded memory) or ``"eager"`` (transformers' eager arithmetic, bit for bit). The model is
-    returned in eval mode.
+    bounded memory) or ``"eager"`` (transformers' eager arithmetic, bit for bit). ``experts`` (a
+    mixture of experts, 26B-A4B): how each token's expert outputs are summed, as transformers'
+    ``experts_implementation`` of the same name: ``"grouped_mm"`` (its default: in float32, rounded
+    once) or ``"eager"`` (rounded to the model dtype expert by expert). The model is returned in
+    eval mode.
     A progress bar counts the bytes read when stderr is a terminal and the checkpoint is large;
     ``progress=False`` never shows one.
 
@@ -116,6 +121,7 @@ def load(
         raise ValueError(f"per_layer_table must be 'auto', 'host' or 'device', got {per_layer_table!r}")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+    check_experts(experts)
     requested = model_dtype(dtype)
     QuantizationPlan.check(quantize, activations)
     path = resolve_source(source)
@@ -133,7 +139,11 @@ def load(
             gguf=checkpoint.gguf,
             device=device,
         )
-        return _build(checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None)
+        model = _build(
+            checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None
+        )
+        model.language_model.set_experts(experts)
+        return model
 
 
 @dataclass(frozen=True)
