@@ -173,3 +173,46 @@ def test_the_compare_command(llm_checkpoint, tmp_path):  # noqa: F811
         [*command, "--a", "torchgemma:fp8", "Hi"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "unknown option 'fp8'" in bad.stderr
+
+
+# ── compare against transformers' defaults ─────────────────────────────────────────────────────
+
+
+def test_sdpa_compares_against_transformers_default_on_a_checkpoint_with_an_audio_tower(tmp_path):
+    """transformers refuses ``attn_implementation="sdpa"`` for a checkpoint with an audio tower
+    (its audio tower has no sdpa); ``transformers:...:sdpa`` is its default instead (sdpa in the
+    text decoder and the vision tower, eager in the audio tower), what our sdpa equals."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints import build_omni_checkpoint
+
+    folder = build_omni_checkpoint(tmp_path / "omni", seed=5)
+    with pytest.raises(ValueError, match="does not support"):
+        AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    report = compare(folder, LONGER, "torchgemma:bf16:sdpa", "transformers:bf16:sdpa")
+    assert report.modules and all(m.max_abs == 0 for m in report.modules)
+    assert report.logits.max_abs == 0 and not report.skipped
+
+
+def test_experts_are_a_side_option_compared_as_transformers_names_them(text_checkpoints):
+    """experts=eager on both sides: equal to the bit; our default (grouped_mm) against
+    transformers' eager experts: the first module apart is an experts module."""
+    side = Side.parse("transformers:bf16:experts=eager")
+    assert (side.attention, side.experts, side.label) == (
+        "eager",
+        "eager",
+        "transformers:bf16:eager:experts=eager",
+    )
+    assert (
+        Side.parse("torchgemma").experts == "grouped_mm"
+        and Side.parse("torchgemma").label == "torchgemma:fp32:eager"
+    )
+    with pytest.raises(
+        ValueError, match="unknown option 'experts=batched'.*experts=grouped_mm, experts=eager"
+    ):
+        Side.parse("torchgemma:experts=batched")
+    folder = text_checkpoints["26b"]
+    same = compare(folder, LONGER, "torchgemma:bf16:experts=eager", "transformers:bf16:experts=eager")
+    assert all(m.max_abs == 0 for m in same.modules) and same.logits.max_abs == 0
+    apart = compare(folder, LONGER, "torchgemma:bf16", "transformers:bf16:experts=eager", threshold=0)
+    assert apart.first_past is not None and apart.first_past.sublayer == "experts", apart.first_past

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .model.text import EXPERTS
+
 
 @dataclass
 class ModuleStats:
@@ -155,6 +157,8 @@ IMPLEMENTATIONS = ("torchgemma", "transformers", "reference")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 ATTENTIONS = ("eager", "sdpa")
 QUANTIZATIONS = ("int8", "int4", "gguf")
+# How a mixture of experts sums its outputs, written experts=NAME ("eager" alone is the attention).
+EXPERTS_OPTIONS = tuple(f"experts={name}" for name in EXPERTS)
 
 # Outputs that share a name but not a meaning across implementations: transformers' embedding
 # modules scale their rows (ours and the reference's scale after the lookup), and routers return
@@ -177,14 +181,21 @@ class Side:
 
     ``torchgemma:bf16:sdpa:int8``, ``transformers:fp32:sdpa``, ``reference`` (the float64 NumPy
     decoder of ``torchgemma.reference``). Options are a dtype (fp32, bf16, fp16, fp64), an
-    attention implementation (eager, sdpa) and, for torchgemma, a quantization (int8, int4, gguf),
-    in any order. Defaults: fp32, eager, no quantization.
+    attention implementation (eager, sdpa), a mixture of experts' implementation (experts=grouped_mm,
+    experts=eager) and, for torchgemma, a quantization (int8, int4, gguf), in any order. Defaults:
+    fp32, eager attention, grouped_mm experts (both libraries' default), no quantization.
+
+    transformers with sdpa runs as its default does (no ``attn_implementation`` given): sdpa in
+    the text decoder and the vision tower, eager in the audio tower, which has no sdpa (asked for
+    sdpa by name, transformers refuses to load a checkpoint with an audio tower). Ours with sdpa
+    is the same arrangement: our audio tower has only the eager path.
     """
 
     implementation: str
     dtype: torch.dtype = torch.float32
     attention: str = "eager"
     quantize: str | None = None
+    experts: str = EXPERTS[0]
 
     @classmethod
     def parse(cls, text: str) -> Side:
@@ -199,8 +210,10 @@ class Side:
                 fields["attention"] = option
             elif option in QUANTIZATIONS:
                 fields["quantize"] = option
+            elif option in EXPERTS_OPTIONS:
+                fields["experts"] = option.removeprefix("experts=")
             else:
-                known = ", ".join([*DTYPES, *ATTENTIONS, *QUANTIZATIONS])
+                known = ", ".join([*DTYPES, *ATTENTIONS, *EXPERTS_OPTIONS, *QUANTIZATIONS])
                 raise ValueError(f"{text!r}: unknown option {option!r} (known: {known})")
         if implementation == "reference" and fields:
             raise ValueError(f"{text!r}: the reference is float64 NumPy and takes no options")
@@ -213,6 +226,8 @@ class Side:
         if self.implementation == "reference":
             return "reference:fp64"
         parts = [self.implementation, next(k for k, v in DTYPES.items() if v == self.dtype), self.attention]
+        if self.experts != EXPERTS[0]:
+            parts.append(f"experts={self.experts}")
         return ":".join(parts + ([self.quantize] if self.quantize else []))
 
 
@@ -322,6 +337,7 @@ def run_side(side: Side, source, input_ids: torch.Tensor) -> Capture:
             source,
             dtype=torch.float32 if fp16 else side.dtype,
             attention=side.attention,
+            experts=side.experts,
             quantize=side.quantize,
             progress=False,
         )
@@ -441,7 +457,13 @@ def plot_compare(report: CompareReport, path) -> None:
 def _transformers_model(path, side: Side) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    options = dict(dtype=side.dtype, attn_implementation=side.attention, experts_implementation="eager")
+    # sdpa and grouped_mm are transformers' defaults: left to it, it picks them where it can (eager in
+    # an audio tower, eager experts where grouped_mm cannot run), as a user's from_pretrained does.
+    options: dict = {"dtype": side.dtype}
+    if side.attention != "sdpa":
+        options["attn_implementation"] = side.attention
+    if side.experts != EXPERTS[0]:
+        options["experts_implementation"] = side.experts
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **options)
     else:

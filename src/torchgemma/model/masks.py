@@ -64,7 +64,9 @@ def uncached_keys(length, valid, window, vision_blocks, bidirectional, device, b
     blocks = (vision_blocks, vision_blocks) if with_blocks else None
     allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional, blocks_past_window)
     # transformers skips the sdpa mask only without padding, blocks or bidirectionality, and on
-    # sliding layers only while the keys fit in the window.
+    # sliding layers only while the keys fit in the window. (A bidirectional Gemma 3 builds its
+    # masks with an or_mask_function, which turns the skip off: a mask even on full layers without
+    # padding, all True; tests/test_bidirectional_sdpa.py checks the calls against transformers'.)
     trivial = (
         vision_blocks is None
         and not bidirectional
