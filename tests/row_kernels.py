@@ -57,7 +57,24 @@ class EmulatedAVX512Dispatch(TorchFunctionMode):
             size = _size(func, args)
             if size is not None and size > ONEDNN_MIN_PRODUCT:
                 out = (out.float() * (1 + 2**-7)).to(out.dtype)
+        elif func is torch._grouped_mm:  # F.grouped_mm (transformers' default MoE experts)
+            out = _grouped_mm_dispatch(args, kwargs, out)
         return out
+
+
+def _grouped_mm_dispatch(args, kwargs, out: torch.Tensor) -> torch.Tensor:
+    """torch's CPU grouped_mm is one ``mm`` per group (aten's _grouped_mm_fallback: mm_out on each
+    group's rows), each dispatched by its own size: the rows of a group above the threshold come
+    out of the other kernel."""
+    a, b, offs = args[0], args[1], kwargs.get("offs")
+    if a.dtype not in REDUCED or a.device.type != "cpu" or offs is None or a.dim() != 2 or b.dim() != 3:
+        return out
+    out, start = out.clone(), 0
+    for end in offs.tolist():
+        if (end - start) * a.shape[-1] * b.shape[-1] > ONEDNN_MIN_PRODUCT:
+            out[start:end] = (out[start:end].float() * (1 + 2**-7)).to(out.dtype)
+        start = end
+    return out
 
 
 @pytest.fixture
