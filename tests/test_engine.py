@@ -106,12 +106,12 @@ def logits_alone_and_batched(model, **engine_args) -> tuple[dict, dict]:
     return {r: torch.stack(v) for r, v in batched.logits.items()}, alone
 
 
-# Two cases in the default run (the emulation's per-product Python costs ~5x); the others are slow.
+# One case in the default run (the emulation's per-product Python costs ~5x); the others are slow.
 EMULATED_CASES = [
     pytest.param(
         style,
         backend,
-        marks=[] if (style, backend) in {("e2b", "eager"), ("31b", "sdpa")} else pytest.mark.slow,
+        marks=[] if (style, backend) == ("e2b", "eager") else pytest.mark.slow,
     )
     for style in STYLES
     for backend in ("eager", "sdpa")

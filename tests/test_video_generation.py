@@ -155,7 +155,12 @@ def test_expansion_matches_processor(checkpoints, processor):
     assert "00:00 <|image>" in text and " 00:04 <|image>" in text
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# bf16 (~15 CPU-s for the two styles) runs with -m slow: the default run keeps float32 here and
+# bf16 video logits through test_sdpa_media (the default attention, both dtypes, to the bit).
+LOGITS_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("dtype", LOGITS_DTYPES, ids=str)
 @pytest.mark.parametrize("style", ["e2b", "31b"])
 def test_logits_match_transformers(checkpoints, processor, style, dtype):
     """The whole prompt's logits, from the processor's own inputs (31b: a bidirectional block per frame)."""
