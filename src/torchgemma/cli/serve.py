@@ -61,6 +61,27 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
+    add_limit_flags(serve)
+    hygiene = serve.add_argument_group("hosts and logs")
+    hygiene.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated names the Host header may give, any port ('*.example.com': subdomains; "
+        "'*': any). Default: localhost, 127.0.0.1 and [::1] when bound to loopback (against DNS "
+        "rebinding), any name otherwise",
+    )
+    hygiene.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="add each request's prompt (its first 2000 characters) to its log line; by default a "
+        "line has the method, path, status, time and token counts, never the prompt",
+    )
+    serve.set_defaults(func=run, parser=serve, quiet=False, verbose=False)
+
+
+def add_limit_flags(serve) -> None:
+    """What one request (and the server) may take on: the flags of the limits group."""
     limits = serve.add_argument_group(
         "limits", "what one request may ask; checked before the work (a 413 or a 400 naming the limit)"
     )
@@ -118,22 +139,6 @@ def add_parser(commands) -> None:
         default=10.0,
         help="seconds a connection may take to send a request's headers before it is closed (default: 10)",
     )
-    hygiene = serve.add_argument_group("hosts and logs")
-    hygiene.add_argument(
-        "--allowed-hosts",
-        default=None,
-        metavar="NAMES",
-        help="comma-separated names the Host header may give, any port ('*.example.com': subdomains; "
-        "'*': any). Default: localhost, 127.0.0.1 and [::1] when bound to loopback (against DNS "
-        "rebinding), any name otherwise",
-    )
-    hygiene.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="add each request's prompt (its first 2000 characters) to its log line; by default a "
-        "line has the method, path, status, time and token counts, never the prompt",
-    )
-    serve.set_defaults(func=run, parser=serve, quiet=False, verbose=False)
 
 
 def run(args: argparse.Namespace) -> int:
