@@ -20,9 +20,11 @@ constraint, non-finite logits from the model) ends that request alone with ``fin
 "error"``; only a failed forward pass fails the requests that shared it.
 
 A request gets what it would get alone: its prefill chunks do not depend on the others, its rows in
-the batched decode are computed row by row where the arithmetic could differ (attention spans), and
-sampling uses its own parameters, history and generator. On CPU in bf16 that holds to the bit with
-the eager attention backend (tests/test_engine.py).
+the batched decode are computed row by row where the arithmetic could differ (attention spans), a
+forward over several requests runs request by request where this machine's matrix products would
+round a row differently in a larger call (``invariance.py``), and sampling uses its own parameters,
+history and generator. On the CPU in bf16 that holds to the bit with both attention backends, on
+AVX2 and (emulated) AVX-512 dispatch alike (tests/test_engine.py).
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ class Engine:
     grows with the requests (``preallocate=False``, what one-off generation wants). If
     ``torchgemma.compile`` was applied to the model, decode steps run its compiled static-shape
     step, which needs the cache whole (it is then allocated whole at the first decode step).
+    ``batch_invariant`` (None: on for bf16/fp16 on the CPU) runs a forward over several requests
+    request by request where this machine's kernels would round a row differently in a larger call
+    (``invariance.RowProbe``), so each request gets its bits alone.
     """
 
     def __init__(
