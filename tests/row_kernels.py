@@ -7,8 +7,9 @@ bits depend on how many rows share the call. CPUs without AVX-512 take torch's k
 size, so a test there cannot see that effect.
 
 This mode makes any machine behave like the AVX-512 one in the respect that matters: products
-above the threshold come out of "another kernel" (the same sums, then every value moved by a
-fixed relative 2^-7, about one bf16 unit in the last place), products at or below it are untouched. What
+above the threshold come out of "another kernel" (the same sums, then the last bit of every value
+flipped: one unit in the last place up or down, as often one as the other, so the model computes
+the same function, only rounded otherwise), products at or below it are untouched. What
 depends on row counts on AVX-512 then depends on them here, far more visibly; transformers runs
 under the same mode, so a comparison with it sees the same machine.
 """
@@ -47,6 +48,11 @@ def _size(func, args) -> int | None:
     return batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
+def other_rounding(out: torch.Tensor) -> torch.Tensor:
+    """The product as another kernel might round it: each value's last bit flipped (bf16/fp16)."""
+    return (out.view(torch.int16) ^ 1).view(out.dtype)
+
+
 class EmulatedAVX512Dispatch(TorchFunctionMode):
     PRODUCTS = (F.linear, torch.matmul, torch.bmm, torch.mm, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
@@ -56,7 +62,7 @@ class EmulatedAVX512Dispatch(TorchFunctionMode):
         if func in self.PRODUCTS:
             size = _size(func, args)
             if size is not None and size > ONEDNN_MIN_PRODUCT:
-                out = (out.float() * (1 + 2**-7)).to(out.dtype)
+                out = other_rounding(out)
         elif func is torch._grouped_mm:  # F.grouped_mm (transformers' default MoE experts)
             out = _grouped_mm_dispatch(args, kwargs, out)
         return out
@@ -72,33 +78,30 @@ def _grouped_mm_dispatch(args, kwargs, out: torch.Tensor) -> torch.Tensor:
     out, start = out.clone(), 0
     for end in offs.tolist():
         if (end - start) * a.shape[-1] * b.shape[-1] > ONEDNN_MIN_PRODUCT:
-            out[start:end] = (out[start:end].float() * (1 + 2**-7)).to(out.dtype)
+            out[start:end] = other_rounding(out[start:end])
         start = end
     return out
 
 
+EVERYWHERE = os.environ.get("TORCHGEMMA_TEST_AVX512_DISPATCH") == "1"
+
+
 @pytest.fixture
 def avx512_dispatch():
-    """Run the test as on a CPU where large bf16 products take another kernel (see module doc)."""
-    with EmulatedAVX512Dispatch():
+    """Run the test as on a CPU where large bf16 products take another kernel (see module doc).
+    (Under TORCHGEMMA_TEST_AVX512_DISPATCH=1 the mode is already on: two would undo each other.)"""
+    if EVERYWHERE:
         yield
-
-
-@pytest.fixture(params=["native", "avx512-dispatch"])
-def bf16_dispatch(request):
-    """Both CPU classes' bf16 dispatch on this machine: its own, and the AVX-512 one emulated."""
-    if request.param == "native":
-        yield request.param
     else:
         with EmulatedAVX512Dispatch():
-            yield request.param
+            yield
 
 
 @pytest.fixture(autouse=True)
 def _emulate_avx512_everywhere():
     """TORCHGEMMA_TEST_AVX512_DISPATCH=1 runs every test under the emulated dispatch: the way to
     check on an AVX2 machine that the exactness tests hold on the other CPU class too."""
-    if os.environ.get("TORCHGEMMA_TEST_AVX512_DISPATCH") == "1":
+    if EVERYWHERE:
         with EmulatedAVX512Dispatch():
             yield
     else:
