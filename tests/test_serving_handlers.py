@@ -82,6 +82,8 @@ def test_invalid_requests_are_refused_before_the_engine(scripted, run):
         (dict(tool_choice="required"), "tool_choice", "needs tools"),
         (dict(stop=["x"] * 17), "stop", "at most 16"),
         (dict(max_tokens=10_000), "max_tokens", "does not fit"),
+        (dict(grammar='root ::= "yes"'), "grammar", "not supported"),
+        (dict(guided_json={"type": "object"}), "guided_json", "json_object"),
     ):
         error = refusal(chat(messages=hi, **fields))
         assert (error.status, error.param) == (400, param) and needle in error.message, fields

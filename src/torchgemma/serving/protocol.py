@@ -1,6 +1,7 @@
 """OpenAI's request shapes, as pydantic models: what the server accepts, checked before any work.
 
-Unknown fields are ignored (clients send vendor extras); known fields of the wrong type are a 400
+Unknown fields are ignored (clients send vendor extras), except other servers' grammar fields,
+refused by name; known fields of the wrong type are a 400
 naming the field. Fields we accept but cannot honour are refused by the handlers with the reason
 (``sampling.refuse_unsupported``).
 """
@@ -85,6 +86,10 @@ class ChatTemplateKwargs(_Model):
 
 class SamplingFields(_Model):
     """What chat and text completions share."""
+
+    # Extras kept (not dropped): the grammar fields other servers take are refused by name
+    # (sampling.refuse_unsupported), not silently ignored.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -62,8 +62,31 @@ def sampling_args(
     return {"sampling": sampling, "max_new_tokens": max_tokens or room, "stop_token_ids": stop_ids}
 
 
+# Other servers' ways to constrain the output (llama.cpp, vLLM, SGLang, TGI): refused by name, since
+# ignoring one would return unconstrained text to a client that asked for a format.
+GRAMMAR_FIELDS = (
+    "grammar",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "regex",
+    "ebnf",
+)
+
+
 def refuse_unsupported(body) -> None:
     """Fields of chat and text completions that we accept but cannot honour: a 400 with the reason."""
+    extras = body.model_extra or {}
+    for name in GRAMMAR_FIELDS:
+        if extras.get(name) is not None:
+            raise bad_request(
+                f"{name} is not supported: the only output constraint here is response_format "
+                '{"type": "json_object"} (chat completions)',
+                name,
+            )
     if body.n not in (None, 1):
         raise bad_request("n > 1 is not supported: send n separate requests", "n")
     for name in ("presence_penalty", "frequency_penalty"):
