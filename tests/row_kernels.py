@@ -11,7 +11,9 @@ above the threshold come out of "another kernel" (the same sums, then the last b
 flipped: one unit in the last place up or down, as often one as the other, so the model computes
 the same function, only rounded otherwise), products at or below it are untouched. What
 depends on row counts on AVX-512 then depends on them here, far more visibly; transformers runs
-under the same mode, so a comparison with it sees the same machine.
+under the same mode, so a comparison with it sees the same machine. Not emulated: the products
+inside ``scaled_dot_product_attention``'s CPU kernel (one op to the mode), so comparing our sdpa with
+transformers' eager attention means nothing under it (tests/test_llm.py's sampling test does that).
 """
 
 from __future__ import annotations

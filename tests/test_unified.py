@@ -21,6 +21,7 @@ from checkpoints import (
     padded_prompts,
     randomize_,
     reference_logits,
+    transformers_generate_alone,
 )
 from torchgemma.config import ModelConfig
 from torchgemma.generation import SamplingParams, generate
@@ -158,10 +159,10 @@ def test_greedy_matches_transformers(unified_gen_checkpoints, style, dtype):
     ids, mask = padded_prompts(seed=70)
     greedy = SamplingParams(temperature=0)
     ours = generate(model, ids, attention_mask=mask, max_new_tokens=NEW, sampling=greedy, stop_token_ids=[])
-    with torch.no_grad():
-        theirs = ref.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None
-        )
+    # Each row against transformers' run of its prompt alone (see transformers_generate_alone).
+    theirs = transformers_generate_alone(
+        ref, ids, mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None
+    )
     assert torch.equal(ours, theirs), f"\nours   {ours[:, WIDTH:]}\ntheirs {theirs[:, WIDTH:]}"
     assert all(len(set(row)) >= 5 for row in ours[:, WIDTH:].tolist()), "degenerate continuation"
 
