@@ -140,9 +140,7 @@ class Engine:
     grows with the requests (``preallocate=False``, what one-off generation wants). If
     ``torchgemma.compile`` was applied to the model, decode steps run its compiled static-shape
     step, which needs the cache whole (it is then allocated whole at the first decode step).
-    ``batch_invariant`` (None: on for bf16/fp16 on the CPU) runs a forward over several requests
-    request by request where this machine's kernels would round a row differently in a larger call
-    (``invariance.RowProbe``), so each request gets its bits alone.
+    ``batch_invariant`` (None: on in bf16/fp16 on the CPU): see the module docstring.
     """
 
     def __init__(
@@ -184,12 +182,9 @@ class Engine:
         # the head's argmax alone, which a quantized head finds without computing every logit
         # exactly (TextModel.greedy): the same token, ~30% less of the head's time on the CPU.
         self.greedy_head = greedy_head
-        # A request's bits the same alone and in any batch (generation/invariance.py): forwards over
-        # several requests run request by request where this machine's kernels would round a row
-        # differently in a larger call. On by default on the CPU in bf16/fp16, where tokens depend
-        # on it; float32 batches differ from alone by rounding only (~1e-6 relative per product).
-        # GPUs leave it to the caller: cuBLAS picks kernels by row count, and running requests
-        # apart there would give up batching.
+        # On by default on the CPU in bf16/fp16, where tokens depend on it; float32 batches differ
+        # from alone by rounding only. GPUs leave it to the caller: cuBLAS picks kernels by row
+        # count, and running requests apart there would give up batching.
         if batch_invariant is None:
             batch_invariant = model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
         self.batch_invariant = batch_invariant
