@@ -227,8 +227,11 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(llm, monkeypatch)
         assert len(engine.prompts) == 1
 
 
-def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
-    """A request held inside the tokenizer leaves /health and other streams answering."""
+@contextmanager
+def a_held_completion(llm, monkeypatch, **server):
+    """A server (``scripted_server(llm, **server)``) whose completion of the prompt "held" is
+    stopped inside the tokenizer: yields the server's url and ``finish``, which lets the held
+    request go on and checks that it ends with 200."""
     entered, release = threading.Event(), threading.Event()
     encode = llm.processor.encode
 
@@ -239,7 +242,7 @@ def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
         return encode(prompt, *args, **kwargs)
 
     monkeypatch.setattr(llm.processor, "encode", held_encode)
-    with scripted_server(llm) as (url, _):
+    with scripted_server(llm, **server) as (url, _):
         held: dict = {}
         thread = threading.Thread(
             target=lambda: held.update(
@@ -248,51 +251,40 @@ def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
                 )
             )
         )
+
+        def finish() -> None:
+            release.set()
+            thread.join(timeout=60)
+            assert held["response"].status_code == 200
+
         thread.start()
         try:
             assert entered.wait(30)
-            # Were the tokenizer on the event loop, these would wait for it (and time out).
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-            with neighbour(url):
-                pass
+            yield url, finish
         finally:
             release.set()
             thread.join(timeout=60)
-        assert held["response"].status_code == 200
+
+
+def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
+    """A request held inside the tokenizer leaves /health and other streams answering."""
+    with a_held_completion(llm, monkeypatch) as (url, finish):
+        # Were the tokenizer on the event loop, these would wait for it (and time out).
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        with neighbour(url):
+            pass
+        finish()
 
 
 def test_requests_queued_for_preparation_are_bounded(llm, monkeypatch):
     """One preparation thread and no waiting room: a request arriving while another is being
     tokenized is a 503 at once (not a queue that grows with each client); then requests go on."""
-    entered, release = threading.Event(), threading.Event()
-    encode = llm.processor.encode
-
-    def held_encode(prompt, *args, **kwargs):
-        if prompt == "held":
-            entered.set()
-            release.wait(30)
-        return encode(prompt, *args, **kwargs)
-
-    monkeypatch.setattr(llm.processor, "encode", held_encode)
-    with scripted_server(llm, limits=Limits(prepare_threads=1), max_waiting=0) as (url, _):
-        held: dict = {}
-        thread = threading.Thread(
-            target=lambda: held.update(
-                response=httpx.post(
-                    f"{url}/v1/completions", json={"prompt": "held", "max_tokens": 4}, timeout=60
-                )
-            )
-        )
-        thread.start()
-        try:
-            assert entered.wait(30)
-            busy = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=10)
-            assert busy.status_code == 503 and "being prepared" in error_of(busy)["message"]
-            assert busy.headers["retry-after"] == "2"
-        finally:
-            release.set()
-            thread.join(timeout=60)
-        assert held["response"].status_code == 200
+    server = dict(limits=Limits(prepare_threads=1), max_waiting=0)
+    with a_held_completion(llm, monkeypatch, **server) as (url, finish):
+        busy = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=10)
+        assert busy.status_code == 503 and "being prepared" in error_of(busy)["message"]
+        assert busy.headers["retry-after"] == "2"
+        finish()
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert after.status_code == 200
 
