@@ -20,11 +20,10 @@ from ..replies import forced_call_prefix, template_tool_call
 from .errors import bad_request
 from .limits import MediaBudget
 from .media import audio_bytes, check_wav, decode_wav_upload, load_image, open_image
-from .metrics import log_request
 from .protocol import ChatCompletionRequest, ContentPart, Message
 from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
-from .streaming import Outcome, Prepared, collect, stream_response, whole_reply
+from .streaming import Outcome, Prepared, respond, whole_reply
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -39,12 +38,7 @@ async def create_chat_completion(
     # Template, tokenizer and media decoding off the event loop (a large request must not stall
     # /health or other clients' streams).
     prepared = await state.prepare(prepare_chat, state, body)
-    log_request(request, prepared)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(state, request, prepared, chat=True, include_usage=include_usage)
-    outcome = await collect(state, request, prepared, "chat")
-    return chat_response(state, outcome, prepared)
+    return await respond(state, request, body, prepared, chat=True, whole=chat_response)
 
 
 def check_chat_request(state: ServerState, body: ChatCompletionRequest) -> None:

@@ -6,11 +6,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .errors import bad_request
-from .metrics import log_request
 from .protocol import CompletionRequest
 from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
-from .streaming import Outcome, Prepared, collect, completion_logprobs, stream_response, whole_reply
+from .streaming import Outcome, Prepared, completion_logprobs, respond, whole_reply
 
 
 async def create_completion(
@@ -30,12 +29,7 @@ async def create_completion(
         )
     # Tokenizing off the event loop (a long prompt must not stall /health or other streams).
     prepared = await state.prepare(prepare_completion, state, body)
-    log_request(request, prepared)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(state, request, prepared, chat=False, include_usage=include_usage)
-    outcome = await collect(state, request, prepared, "completion")
-    return completion_response(state, outcome, prepared)
+    return await respond(state, request, body, prepared, chat=False, whole=completion_response)
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:

@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from ..replies import Delta, ReplyStream, StopStrings
 from .errors import APIError
+from .metrics import log_request
 from .runner import Busy, Token
 from .state import ServerState
 
@@ -192,6 +193,19 @@ def completion_logprobs(entries: list[dict]) -> dict:
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
     }
+
+
+async def respond(
+    state: ServerState, request: Request | None, body, prepared: Prepared, *, chat: bool, whole
+) -> dict | StreamingResponse:
+    """A prepared chat or text completion's reply, logged: a stream of chunks when ``body.stream``,
+    else ``whole(state, outcome, prepared)`` once the generation is done."""
+    log_request(request, prepared)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(state, request, prepared, chat=chat, include_usage=include_usage)
+    outcome = await collect(state, request, prepared, "chat" if chat else "completion")
+    return whole(state, outcome, prepared)
 
 
 # ── whole replies ───────────────────────────────────────────────────────────────────────────
