@@ -42,6 +42,7 @@ from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .invariance import RowProbe
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -88,6 +89,8 @@ class StepOutput:
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
     error: Exception | None = None
+    # On a request's first output: prompt tokens taken from the prefix cache (not prefilled).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class Engine:
         preallocate: bool = True,
         greedy_head: bool = True,
         batch_invariant: bool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -170,6 +174,7 @@ class Engine:
         self.max_batch_size = cache.num_slots
         self.max_len = cache.max_len
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
         if isinstance(generation_config, GenerationConfig):
             self.generation_config = generation_config
         else:
