@@ -22,6 +22,11 @@ needs: chunked prefill needs no slack, whatever the chunk size. Taking back ``k`
 next call's start back by ``k``, so ``k`` more old keys must survive: ``max_rollback`` columns of
 slack, and that is all.
 
+A slot's keys and values can be read out (``read``: positions a sliding ring still holds) and a
+sequence's first positions written back into a freed slot (``load_prefix``): the prefix cache
+(``generation/prefix_cache.py``) keeps them between requests. ``min_ring`` widens the rings so
+that a whole prefill chunk is still there to be read after its call.
+
 The cache keeps its bookkeeping (lengths) on the host, where the scheduler needs it; a call's
 positions, write columns and key layout are built from it once per call as a ``CacheStep``, which
 every layer reads. ``decode_step`` builds one from tensors alone, with static shapes, for a
@@ -209,6 +214,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         preallocate: bool = True,
+        min_ring: int = 0,
     ):
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"num_slots and max_len must be positive, got {num_slots} and {max_len}")
@@ -218,8 +224,9 @@ class KVCache:
         self.max_len = max_len
         self.max_rollback = max_rollback
         self.window = config.sliding_window
-        self.ring = sliding_ring(config.sliding_window, max_len, max_rollback)
-        # The past a sliding layer reads: W - 1 keys (fewer if the whole sequence fits in less).
+        self.ring = sliding_ring(config.sliding_window, max_len, max_rollback, min_ring)
+        # The past a sliding layer reads: W - 1 keys (fewer if the whole sequence fits in less). A
+        # wider ring (min_ring) holds more, and the calls read the same keys.
         self.past_len = min(config.sliding_window - 1, self.ring)
         # Columns the full-attention buffers hold now.
         self.capacity = max_len if preallocate else min(max_len, GROWTH_QUANTUM)
@@ -287,6 +294,67 @@ class KVCache:
                 f"not to {length - count}"
             )
         self.lengths[slot] = length - count
+
+    def read(self, slot: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copies of slot ``slot``'s keys and values at positions ``[start, end)``: per layer
+        (Hkv, end - start, D) each, None for KV-shared layers. A sliding ring must still hold them."""
+        self._check_slot(slot)
+        length = self.lengths[slot]
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"slot {slot} holds {length} tokens; cannot read positions [{start}, {end})")
+        if start < length - self.ring:
+            raise ValueError(
+                f"slot {slot}'s sliding layers hold its last {self.ring} positions ({length - self.ring} "
+                f"to {length}); position {start} is gone"
+            )
+        columns = torch.arange(start, end, device=self.device) % self.ring
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in self.layers:
+            if layer is None:
+                out.append(None)
+            elif isinstance(layer, SlidingLayerCache):
+                # Advanced indexing copies: (Hkv, n, D), the positions in order.
+                out.append((layer.keys[slot][:, columns], layer.values[slot][:, columns]))
+            else:
+                out.append((layer.keys[slot, :, start:end].clone(), layer.values[slot, :, start:end].clone()))
+        return out
+
+    def load_prefix(
+        self, slot: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor] | None], length: int
+    ) -> None:
+        """Make free slot ``slot`` hold a sequence's first ``length`` positions, from their keys and
+        values per layer (``read``'s layout): full layers need all ``length`` positions, sliding
+        layers their last ``min(length, ring)`` at least (given as the last positions of theirs)."""
+        self._check_slot(slot)
+        if self.lengths[slot]:
+            raise ValueError(
+                f"slot {slot} holds {self.lengths[slot]} tokens: free it before loading a prefix"
+            )
+        if not 0 < length <= self.max_len:
+            raise ValueError(f"a prefix of {length} tokens does not fit slots of {self.max_len}")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"{len(layers)} layers given for a cache of {len(self.layers)}")
+        self.reserve(length)
+        kept = min(length, self.ring)
+        columns = torch.arange(length - kept, length, device=self.device) % self.ring
+        for index, (layer, given) in enumerate(zip(self.layers, layers)):
+            if layer is None:
+                continue
+            keys, values = given
+            have = keys.shape[1]
+            if isinstance(layer, SlidingLayerCache):
+                if have < kept:
+                    raise ValueError(f"layer {index} needs the last {kept} positions, got {have}")
+                # As the ring rule has them: position p in column p % ring.
+                layer.keys[slot][:, columns] = keys[:, have - kept :]
+                layer.values[slot][:, columns] = values[:, have - kept :]
+            else:
+                if have != length:
+                    raise ValueError(f"layer {index} (full attention) needs {length} positions, got {have}")
+                layer.keys[slot, :, :length] = keys
+                layer.values[slot, :, :length] = values
+        self.lengths[slot] = length
+        self._high_water[slot] = length
 
     def advance(self, slots: Sequence[int], counts: Sequence[int] | int = 1) -> None:
         """Record that ``counts`` tokens were appended to each of ``slots`` (``decode_step`` callers)."""
@@ -375,6 +443,7 @@ class KVCache:
             raise ValueError(f"slot {slot} does not exist: the cache has slots 0..{self.num_slots - 1}")
 
 
-def sliding_ring(window: int, max_len: int, max_rollback: int) -> int:
-    """Columns a sliding layer keeps: the W - 1 keys the next call reads, plus the rollback slack."""
-    return max(1, min(max_len, window - 1 + max_rollback))
+def sliding_ring(window: int, max_len: int, max_rollback: int, min_ring: int = 0) -> int:
+    """Columns a sliding layer keeps: the W - 1 keys the next call reads, plus the rollback slack
+    (at least ``min_ring``, never more than ``max_len``)."""
+    return max(1, min(max_len, max(window - 1 + max_rollback, min_ring)))

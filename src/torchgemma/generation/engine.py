@@ -15,6 +15,10 @@ The names follow vLLM's ``LLMEngine``. Each ``step()``:
 3. runs one decode step over every request that already had a token, all in one forward pass;
 4. frees the slots of finished requests (usable by the next step's admissions).
 
+With a ``prefix_cache`` (``prefix_cache.py``), an admitted request first takes the keys and values
+of its prompt's longest stored beginning into its slot and prefills only the rest; every whole
+prefill chunk of a prompt is stored as it is computed.
+
 A request's failure is its own: an exception while choosing its token (its sampling settings, its
 constraint, non-finite logits from the model) ends that request alone with ``finish_reason
 "error"``; only a failed forward pass fails the requests that shared it.
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -42,7 +46,8 @@ from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .invariance import RowProbe
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, load_chain, media_start
+from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs
 from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -60,77 +65,6 @@ CONSTRAINT_BUDGET = 4096
 MEDIA_INPUTS = tuple(f.name for f in fields(MediaInputs))
 
 
-class NonFiniteLogits(RuntimeError):
-    """The model's logits for a request hold NaN or inf: no token can be chosen from them."""
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A generated token's log-probability and the most likely alternatives, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one ``Engine.step()`` did for one request: a token, or the error that ended it.
-
-    ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or a
-    constraint that allows nothing more), ``"length"`` (its token budget) or ``"error"`` (its own
-    inputs, its prefill, its sampling or constraint, or the model's logits for it failed: ``error``
-    says why, ``token_id`` is None). ``logprobs`` is set for requests that asked for them.
-    """
-
-    request_id: Hashable
-    token_id: int | None
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: TokenLogprobs | None = None
-    error: Exception | None = None
-    # On a request's first output: prompt tokens taken from the prefix cache (not prefilled).
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EmbeddedPrompt:
-    """A prompt already embedded with its media scattered in, for ``add_request(embedded=...)``:
-    ``stream`` embeds a padded multimodal batch at once (as transformers does) and gives each row
-    its part; the engine makes one itself from a request's ``media``."""
-
-    embeds: torch.Tensor  # (1, L, H)
-    text_ids: torch.Tensor  # (1, L): the ids for the per-layer table
-    vision_blocks: torch.Tensor | None = None  # (1, L): image-block ids of bidirectional vision attention
-
-
-@dataclass
-class Request:
-    """One sequence's state inside the engine."""
-
-    request_id: Hashable
-    prompt: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    media: MediaInputs | None = None
-    # The prompt embedded with its media, made at the first chunk (or given); dropped once prefilled.
-    embedded: EmbeddedPrompt | None = None
-    slot: int | None = None
-    prefilled: int = 0
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    # Top log-probabilities to report per token (0: the chosen token's only); None: none.
-    logprobs: int | None = None
-    # Decides which tokens may come next (see generation/constraints.py); None: any.
-    constraint: Any = None
-
-    @property
-    def decoding(self) -> bool:
-        return bool(self.output)
-
-
 class Engine:
     """Continuous batching over the slots of one KV cache (see the module docstring).
 
@@ -144,6 +78,8 @@ class Engine:
     ``torchgemma.compile`` was applied to the model, decode steps run its compiled static-shape
     step, which needs the cache whole (it is then allocated whole at the first decode step).
     ``batch_invariant`` (None: on in bf16/fp16 on the CPU): see the module docstring.
+    ``prefix_cache``: a ``PrefixCache`` to reuse prompts' beginnings from and store them in (one
+    model's, shared by engines of that model; None: none); results are those without it.
     """
 
     def __init__(
@@ -164,17 +100,40 @@ class Engine:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model = model
+        # A prefix cache stores each prefill chunk after its forward: the sliding rings must still
+        # hold all of it then (they hold W - 1 + max_rollback positions otherwise).
+        min_ring = 0 if prefix_cache is None else prefill_chunk
         if cache is None:
-            cache = model.make_cache(
-                max_batch_size, max_len, max_rollback=max_rollback, preallocate=preallocate
+            cache = KVCache(
+                model.config.text,
+                max_batch_size,
+                max_len,
+                max_rollback=max_rollback,
+                dtype=model.dtype,
+                device=model.device,
+                preallocate=preallocate,
+                min_ring=min_ring,
             )
         else:
+            if cache.ring < min(min_ring, cache.max_len):
+                raise ValueError(
+                    f"the cache's sliding layers hold {cache.ring} positions, fewer than prefill_chunk "
+                    f"({prefill_chunk}): a prefix cache stores whole chunks; make it with "
+                    f"KVCache(..., min_ring={prefill_chunk})"
+                )
             cache.reset()
         self.cache = cache
         self.max_batch_size = cache.num_slots
         self.max_len = cache.max_len
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            if prefill_chunk % prefix_cache.block_size:
+                raise ValueError(
+                    f"prefill_chunk ({prefill_chunk}) must be a multiple of the prefix cache's "
+                    f"block_size ({prefix_cache.block_size}): prefixes are reused at chunk starts"
+                )
+            prefix_cache.attach(model)
         if isinstance(generation_config, GenerationConfig):
             self.generation_config = generation_config
         else:
@@ -324,12 +283,39 @@ class Engine:
             request.slot = free.pop(0)
             self.cache.free(request.slot)
             self._running[request.slot] = request
+            if self.prefix_cache is not None and request.embedded is None:
+                self._reuse(request)
+
+    def _reuse(self, request: Request) -> None:
+        """Load the longest stored beginning of the request's prompt into its slot (at a chunk
+        start, before its first media token, leaving a token to prefill); store from there on."""
+        model, store, chunk = self.model, self.prefix_cache, self.prefill_chunk
+        # Chains start from the signature of how their chunks are computed (see prefix_cache.py).
+        blocks = self._vision_blocks(request)
+        root = store.root((model.dtype, model.attention, chunk, self.batch_invariant, blocks))
+        request.store_limit = media_start(model, request.prompt, request.media)
+        limit = min(request.store_limit, len(request.prompt) - 1) // chunk * chunk
+        chain = store.match(root, request.prompt, limit, chunk)
+        request.prefix = chain[-1].id if chain else root
+        request.prefilled = request.cached = load_chain(self.cache, request.slot, chain, model.config.text)
+
+    def _store_chunk(self, request: Request, start: int, end: int) -> None:
+        """Store a prefill chunk just computed, if it is a whole chunk of the request's prompt."""
+        chunk = self.prefill_chunk
+        if request.prefix is None or start % chunk or end - start != chunk or end > request.store_limit:
+            request.prefix = None  # off the chunk grid, or at its media: nothing further is stored
+            return
+        slot = request.slot
+        request.prefix = self.prefix_cache.store(
+            request.prefix, request.prompt[start:end], start, lambda a, b: self.cache.read(slot, a, b)
+        )
 
     def _release(self, request: Request) -> None:
         del self._running[request.slot]
         self.cache.free(request.slot)
         request.embedded = None
         request.media = None
+        request.prefix = None
 
     def _constrained(self, request: Request, logits: torch.Tensor, history) -> int:
         """A token the request's constraint allows, at a bounded cost per step.
@@ -424,7 +410,8 @@ class Engine:
         if finished:
             self._release(request)
             del self.requests[request.request_id]
-        return StepOutput(request.request_id, token, finished, request.finish_reason, logprobs)
+        cached = request.cached if len(request.output) == 1 else 0
+        return StepOutput(request.request_id, token, finished, request.finish_reason, logprobs, None, cached)
 
     # ── forward passes ───────────────────────────────────────────────────────────────────────
 
@@ -437,7 +424,7 @@ class Engine:
         for request in sorted(self._running.values(), key=lambda r: r.slot):
             if request.decoding:
                 continue
-            if request.prefilled == 0 and request.media is not None:
+            if request.embedded is None and request.media is not None:
                 try:
                     self._embed_media(request)
                 except Exception as error:  # noqa: BLE001 - this request's own inputs: it alone fails
@@ -452,7 +439,8 @@ class Engine:
         if request.slot is not None and self._running.get(request.slot) is request:
             self._release(request)
         self.requests.pop(request.request_id, None)
-        return StepOutput(request.request_id, None, True, "error", error=error)
+        cached = 0 if request.output else request.cached
+        return StepOutput(request.request_id, None, True, "error", error=error, cached_tokens=cached)
 
     def _next_chunk(self, request: Request) -> tuple[int, int]:
         length = len(request.prompt)
@@ -504,8 +492,10 @@ class Engine:
             head=False,
         )
         done = []
-        for i, (request, (_, end)) in enumerate(zip(group, chunks)):
+        for i, (request, (start, end)) in enumerate(zip(group, chunks)):
             request.prefilled = end
+            if self.prefix_cache is not None:
+                self._store_chunk(request, start, end)
             if end == len(request.prompt):
                 request.embedded = None
                 done.append(i)
@@ -548,10 +538,17 @@ class Engine:
         types = media.pop("mm_token_type_ids", None)
         ids = torch.tensor([request.prompt], device=model.device)
         embeds, text_ids = model.embed_multimodal(ids, **media)
-        blocks = None
-        if types is not None and model.config.text.use_bidirectional_attention == "vision":
-            blocks = vision_block_ids(types.to(model.device))
+        blocks = vision_block_ids(types.to(model.device)) if self._vision_blocks(request) else None
         request.embedded = EmbeddedPrompt(embeds, text_ids, blocks)
+
+    def _vision_blocks(self, request: Request) -> bool:
+        """Whether the request's prompt runs with image blocks (bidirectional vision attention)."""
+        media = request.media
+        return (
+            media is not None
+            and media.mm_token_type_ids is not None
+            and self.model.config.text.use_bidirectional_attention == "vision"
+        )
 
     def _decode(self, requests: list[Request]) -> list[torch.Tensor | int]:
         """One token for each decoding request, in one forward pass: what picks each one's token

@@ -1,0 +1,89 @@
+"""What goes in and out of the engine: a request's state, a prompt already embedded, a step's output."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..model.inputs import MediaInputs
+from .sampling import SamplingParams
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN or inf: no token can be chosen from them."""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step()`` did for one request: a token, or the error that ended it.
+
+    ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or a
+    constraint that allows nothing more), ``"length"`` (its token budget) or ``"error"`` (its own
+    inputs, its prefill, its sampling or constraint, or the model's logits for it failed: ``error``
+    says why, ``token_id`` is None). ``logprobs`` is set for requests that asked for them.
+    """
+
+    request_id: Hashable
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+    error: Exception | None = None
+    # On a request's first output: prompt tokens taken from the prefix cache (not prefilled).
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EmbeddedPrompt:
+    """A prompt already embedded with its media scattered in, for ``add_request(embedded=...)``:
+    ``stream`` embeds a padded multimodal batch at once (as transformers does) and gives each row
+    its part; the engine makes one itself from a request's ``media``."""
+
+    embeds: torch.Tensor  # (1, L, H)
+    text_ids: torch.Tensor  # (1, L): the ids for the per-layer table
+    vision_blocks: torch.Tensor | None = None  # (1, L): image-block ids of bidirectional vision attention
+
+
+@dataclass
+class Request:
+    """One sequence's state inside the engine."""
+
+    request_id: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    media: MediaInputs | None = None
+    # The prompt embedded with its media, made at the first chunk (or given); dropped once prefilled.
+    embedded: EmbeddedPrompt | None = None
+    slot: int | None = None
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Top log-probabilities to report per token (0: the chosen token's only); None: none.
+    logprobs: int | None = None
+    # Decides which tokens may come next (see generation/constraints.py); None: any.
+    constraint: Any = None
+    # Prompt tokens taken from the prefix cache (reported with the first output).
+    cached: int = 0
+    # The prefix cache chain its prompt's chunks continue (None: stores nothing), and how far its
+    # prompt may be stored (its first media token).
+    prefix: int | None = None
+    store_limit: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output)
