@@ -33,6 +33,7 @@ import torch
 
 from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, SamplingParams, stream
+from .generation.prefix_cache import PrefixCache
 from .model.inputs import MediaInputs
 from .processing.processor import ProcessedPrompt, Processor
 from .replies import Delta, ReplyStream, ToolCall, parse_reply
@@ -42,6 +43,9 @@ from .weights.source import resolve_source
 
 # When neither the caller nor generation_config.json says how long a reply may be.
 DEFAULT_MAX_NEW_TOKENS = 512
+# The prefix cache's bound (GiB): the 270M in float32 keeps ~36 KiB per token (~29k tokens), E2B in
+# bf16 ~18 KiB (15 of its 35 layers own keys); it fills only as prompts are seen.
+DEFAULT_PREFIX_CACHE_GB = 1.0
 # The sampling settings the public methods take by name (folded into one SamplingParams).
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logit_bias")
 
@@ -95,6 +99,10 @@ class LLM:
     ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
     blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in ``torchgemma.load``
     (a quantized model's prefill on the CPU: ``"auto"``, ``"int16"``, ``"int8"`` or None).
+    ``prefix_cache_gb``: the memory (GiB) of the prefix cache the LLM keeps across calls
+    (``llm.prefix_cache``, a ``generation.prefix_cache.PrefixCache``): a prompt that begins as an
+    earlier one did (the conversation so far, a shared system prompt) prefills only the rest, with
+    the same results; ``llm.prefix_cache.stats()`` counts what it saved. 0 turns it off.
     """
 
     def __init__(
@@ -108,7 +116,12 @@ class LLM:
         progress: bool = True,
         quantize: str | None = "auto",
         activations: str | None = "auto",
+        prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
     ) -> None:
+        if not prefix_cache_gb >= 0:
+            raise ValueError(
+                f"prefix_cache_gb must be >= 0 (0 turns the prefix cache off), got {prefix_cache_gb}"
+            )
         folder = resolve_source(source)
         self.folder = folder
         # The source, not the folder: load resolves it again (a local or cached path by now) and
@@ -142,6 +155,8 @@ class LLM:
             max_soft_tokens=max_soft_tokens,
             towers_note=self.model.towers_note,
         )
+        size = int(prefix_cache_gb * 2**30)
+        self.prefix_cache = PrefixCache(size) if size > 0 else None
 
     @property
     def context_length(self) -> int:
@@ -472,6 +487,7 @@ class LLM:
             stop_token_ids=run.stops,
             generation_config=self.generation_config,
             stats=run.stats,
+            prefix_cache=self.prefix_cache,
         )
 
     def _tokens(self, request: ProcessedPrompt, run: _Run, *, keep_stop: bool = False) -> Iterator[int]:

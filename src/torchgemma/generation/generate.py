@@ -28,6 +28,7 @@ from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .engine import DEFAULT_PREFILL_CHUNK, EmbeddedPrompt, Engine, StepOutput
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 
 
@@ -36,7 +37,8 @@ class GenerationStats:
     """Counts and compute time of one ``stream`` run (time spent by the consumer is excluded).
 
     Prefill time runs up to the first new token; decode time covers the steps after it.
-    ``prompt_tokens`` counts real prompt tokens of all rows, ``steps`` new tokens per row.
+    ``prompt_tokens`` counts real prompt tokens of all rows, ``steps`` new tokens per row,
+    ``cached_tokens`` the prompt tokens of all rows taken from a prefix cache (not prefilled).
     """
 
     batch: int = 0
@@ -44,6 +46,7 @@ class GenerationStats:
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -99,6 +102,7 @@ def stream(
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
@@ -136,6 +140,7 @@ def stream(
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
+    stats.cached_tokens = 0
     if max_new_tokens == 0:
         return iter(())
     engine = Engine(
@@ -148,8 +153,18 @@ def stream(
         # Room for the whole budget is reserved as the rows grow, not up front: a request for
         # 10^9 new tokens that stops after one allocates for one.
         preallocate=False,
+        prefix_cache=prefix_cache,
     )
-    embedded = _embed_rows(model, input_ids, attention_mask, media) if media else [None] * batch
+    embedded = [None] * batch
+    row_media = None
+    unpadded = isinstance(input_ids, torch.Tensor) and batch == 1 and len(rows[0]) == input_ids.shape[-1]
+    if media and prefix_cache is not None and unpadded:
+        # One unpadded row: the engine embeds it itself (the same call as _embed_rows makes), and
+        # can then reuse the text before its first media token (never an embedded prompt's).
+        _check_types(media, input_ids)
+        row_media = media
+    elif media:
+        embedded = _embed_rows(model, input_ids, attention_mask, media)
     for row, (prompt, row_embedded) in enumerate(zip(rows, embedded)):
         # Every row is its own request; a seed gives each the generator it would have alone.
         engine.add_request(
@@ -159,6 +174,7 @@ def stream(
             max_new_tokens=max_new_tokens,
             stop_token_ids=stops,
             embedded=row_embedded,
+            media=row_media,
         )
     return _loop(engine, batch, torch.full((batch,), pad_id, dtype=torch.long, device=device), stats)
 
@@ -173,6 +189,7 @@ def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats)
         for output in engine.step():
             _raise_failure(output)
             produced[output.request_id].append(output.token_id)
+            stats.cached_tokens += output.cached_tokens
             finished[output.request_id] = finished[output.request_id] or output.finished
         elapsed = time.perf_counter() - started
         if yielded == 0:
@@ -230,12 +247,9 @@ def _embed_rows(model, input_ids, attention_mask, media: MediaInputs) -> list[Em
     """Embeddings of a padded multimodal batch, made at once (as transformers does), split by row."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError("media go with a (batch, length) tensor of prompts, as the processor returns them")
+    _check_types(media, input_ids)
     media = media.as_dict()
     types = media.pop("mm_token_type_ids", None)
-    if types is not None and types.shape != input_ids.shape:
-        raise ValueError(
-            f"mm_token_type_ids has shape {tuple(types.shape)}, input_ids {tuple(input_ids.shape)}"
-        )
     device = model.device
     ids = input_ids.to(device)
     with torch.inference_mode():
@@ -256,6 +270,14 @@ def _embed_rows(model, input_ids, attention_mask, media: MediaInputs) -> list[Em
     ]
 
 
+def _check_types(media: MediaInputs, input_ids: torch.Tensor) -> None:
+    types = media.mm_token_type_ids
+    if types is not None and types.shape != input_ids.shape:
+        raise ValueError(
+            f"mm_token_type_ids has shape {tuple(types.shape)}, input_ids {tuple(input_ids.shape)}"
+        )
+
+
 def generate(
     model: Gemma,
     input_ids: torch.Tensor | Sequence[Sequence[int]],
@@ -268,6 +290,7 @@ def generate(
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
@@ -286,6 +309,9 @@ def generate(
     * ``max_new_tokens`` is cut to what the model's context leaves after the longest prompt; a
       prompt that fills the context raises ValueError.
     * ``cache``: a ``model.make_cache(B, >= L + N)`` to reuse (it is reset first).
+    * ``prefix_cache``: a ``PrefixCache`` (``generation/prefix_cache.py``) to take the prompts'
+      stored beginnings from and store them in, across calls; the results are the same without it.
+      ``stats.cached_tokens`` says how many prompt tokens it saved.
     * ``media``: a ``MediaInputs`` of transformers' Gemma 4 processor outputs (``torchgemma.
       processing.prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
       ``image_position_ids``, ``input_features`` with ``input_features_mask``,
@@ -305,6 +331,7 @@ def generate(
             generation_config=generation_config,
             cache=cache,
             stats=stats,
+            prefix_cache=prefix_cache,
         )
     )
     if not isinstance(input_ids, torch.Tensor):

@@ -209,10 +209,15 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in filter(None, layers))
         if nbytes > self.max_bytes:
             return None
-        while self.bytes + nbytes > self.max_bytes:
-            self._evict(next(iter(self._blocks)))
-        if not self._holds(parent):
-            return None  # the eviction reached this chain's own start
+        if self.bytes + nbytes > self.max_bytes:
+            # The chain being stored was touched last: if the least recently used block is its own,
+            # nothing else is left to evict, and it stops here rather than eat its own beginning.
+            own = self._path(parent)
+            while self.bytes + nbytes > self.max_bytes:
+                oldest = next(iter(self._blocks))
+                if oldest in own:
+                    return None
+                self._evict(oldest)
         block = Block(next(self._ids), parent, tokens, layers, nbytes)
         self._blocks[block.id] = block
         self._children[parent, tokens] = block.id
@@ -221,6 +226,14 @@ class PrefixCache:
         self.bytes += nbytes
         self.stored_blocks += 1
         return block.id
+
+    def _path(self, block_id: int) -> set[int]:
+        """The ids of a block and the blocks before it in its chain."""
+        path = set()
+        while block_id in self._blocks:
+            path.add(block_id)
+            block_id = self._blocks[block_id].parent
+        return path
 
     def _holds(self, block_id: int) -> bool:
         return block_id in self._blocks or block_id in self._root_ids
