@@ -8,6 +8,7 @@ sliding window is 5 tokens; chunks of 8 put reuse points past it, chunks of 4 at
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torchgemma
 from checkpoints import TINY_TOKEN_IDS, build_large_vision_checkpoint, build_omni_checkpoint
 from gemma3_checkpoints import gemma3_checkpoint
+from gemma3n_checkpoints import build as build_gemma3n
 from torchgemma import Engine, MediaInputs, SamplingParams
 from torchgemma.generation import GenerationStats, stream
 from torchgemma.generation.prefix_cache import PrefixCache
@@ -27,8 +29,13 @@ IMAGE_TOKEN, BOI, EOI = (TINY_TOKEN_IDS[f"{k}_token_id"] for k in ("image", "boi
 
 
 @pytest.fixture(scope="module")
-def gemma3_1b(tmp_path_factory) -> Path:
-    return gemma3_checkpoint(tmp_path_factory.mktemp("g3") / "1b", "1b", seed=5)
+def other_families(tmp_path_factory) -> dict[str, Path]:
+    """Gemma 3 (1B-like) and Gemma 3n (AltUp, KV sharing) text checkpoints."""
+    root = tmp_path_factory.mktemp("families")
+    return {
+        "gemma3": gemma3_checkpoint(root / "gemma3", "1b", seed=5),
+        "gemma3n": build_gemma3n(root / "gemma3n", multimodal=False, seed=6, embed_scale=0.05),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +109,12 @@ def conversation(model, chunk: int = 8) -> list[tuple]:
 # ── exactness on every style ─────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("style", ["e2b", "26b", "31b", "gemma3"])
-def test_reuse_is_exact_on_every_style(gen_checkpoints, gemma3_1b, style):
+@pytest.mark.parametrize("style", ["e2b", "26b", "31b", "gemma3", "gemma3n"])
+def test_reuse_is_exact_on_every_style(gen_checkpoints, other_families, style):
     """bf16 sdpa: a prompt, one sharing 30 of its tokens (24 reused: whole chunks of 8, past the
     5-token window) and a conversation continued (its previous prompt's whole chunks reused) give
     the bits an engine without a store gives."""
-    folder = gemma3_1b if style == "gemma3" else gen_checkpoints[style]
+    folder = other_families[style] if style.startswith("gemma3") else gen_checkpoints[style]
     model = torchgemma.load(folder, dtype=torch.bfloat16)
     requests = conversation(model)
     store = PrefixCache(1 << 24, block_size=4)
@@ -339,6 +346,8 @@ def test_a_block_over_the_cap_is_not_stored():
 
 
 def test_engine_checks(gen_checkpoints):
+    """Clear errors for a chunk that is not whole blocks, a cache whose rings cannot hold a chunk,
+    a store shared by two models, bad sizes."""
     model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.float32)
     with pytest.raises(ValueError, match=r"prefill_chunk \(12\) must be a multiple .* block_size \(8\)"):
         Engine(model, prefill_chunk=12, prefix_cache=PrefixCache(1000, block_size=8))
@@ -349,11 +358,17 @@ def test_engine_checks(gen_checkpoints):
             prefill_chunk=8,
             prefix_cache=PrefixCache(1000, block_size=8),
         )
-    store = PrefixCache(1000, block_size=8)
-    Engine(model, max_len=64, prefill_chunk=8, prefix_cache=store)
+    store = PrefixCache(1 << 20, block_size=8)
+    one_by_one(model, [("a", tokens(9, 0), 1)], store)
+    assert store.stats()["blocks"] == 1
     other = torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32)
     with pytest.raises(ValueError, match="another model's keys and values"):
         Engine(other, max_len=64, prefill_chunk=8, prefix_cache=store)
+    # Once the model is gone, its blocks go with it: the next model starts from an empty store.
+    del model
+    gc.collect()
+    Engine(other, max_len=64, prefill_chunk=8, prefix_cache=store)
+    assert store.stats()["blocks"] == 0 and store.bytes == 0
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0"):
         PrefixCache(-1)
     with pytest.raises(ValueError, match="block_size must be a positive int"):

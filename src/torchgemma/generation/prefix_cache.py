@@ -138,12 +138,18 @@ class PrefixCache:
         self.bytes = 0
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Tie the store to ``model``: keys and values are one model's; another model may not use it."""
+        """Tie the store to ``model``: keys and values are one model's, another model may not use
+        it while that one lives (once it is gone, the store is emptied for the next). A model whose
+        weights change in place (a quantization transform) must not keep its store: ``clear()``."""
         held = None if self._model is None else self._model()
-        if held is not None and held is not model:
+        if held is model:
+            return
+        if held is not None:
             raise ValueError(
                 "this PrefixCache holds another model's keys and values: give each model its own store"
             )
+        if self._model is not None:
+            self.clear()  # the model they were computed by is gone
         self._model = weakref.ref(model)
 
     def root(self, signature: Hashable) -> int:
