@@ -6,6 +6,11 @@
 Only the engine thread touches the engine: handlers never wait for a forward pass to end, they put
 their request (or an abort) in the inbox and read their own queue. A request's queue receives one
 ``Token`` per generated token, then ``None`` when it finished; an ``Exception`` if it failed.
+
+What a step produced reaches each event loop in one ``call_soon_threadsafe`` (one wakeup of the
+loop per step, not one per token): the loop's work runs in Python, holding the GIL that the engine
+thread needs between torch's operations, so fewer and shorter bursts of it leave the engine more
+of the step (see ``Outbox``).
 The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``submit`` raises
 ``Busy`` (the server answers 503 with Retry-After).
 
@@ -41,6 +46,34 @@ class Token:
     logprobs: TokenLogprobs | None
 
 
+class Outbox:
+    """What the engine thread hands the event loops, held until the end of a step or a drain, then
+    given to each loop in one call: ``put(subscriber, item)``, then ``flush()``."""
+
+    def __init__(self):
+        self._items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+
+    def put(self, subscriber: _Subscriber, item: Any) -> bool:
+        """Hold ``item`` for the subscriber's queue; False if its event loop has closed (nobody can
+        receive it)."""
+        if subscriber.loop.is_closed():
+            return False
+        self._items.setdefault(subscriber.loop, []).append((subscriber.queue, item))
+        return True
+
+    def flush(self) -> None:
+        items, self._items = self._items, {}
+        for loop, pairs in items.items():
+            # A loop that closed since put(): its requests cannot be told anything any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, pairs)
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, Any]]) -> None:
+    for tokens, item in pairs:
+        tokens.put_nowait(item)
+
+
 @dataclass
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
@@ -59,6 +92,7 @@ class EngineRunner:
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[Hashable, _Subscriber] = {}
+        self._outbox = Outbox()  # touched by the engine thread alone
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the in-flight count
         self._in_flight = 0
@@ -109,11 +143,14 @@ class EngineRunner:
                 self._iterate()
             except Exception as error:  # noqa: BLE001 - a bug here fails what is in flight, not the thread
                 self._fail_all(error)
+            finally:
+                self._outbox.flush()
 
     def _iterate(self) -> None:
         engine = self.engine
         # Block for work when idle; otherwise take what arrived and step.
         self._drain(block=not engine.has_unfinished_requests())
+        self._outbox.flush()  # requests refused on arrival hear it before the step
         if not engine.has_unfinished_requests():
             return
         started = time.perf_counter()
@@ -166,7 +203,7 @@ class EngineRunner:
             if self.metrics is not None:
                 self.metrics.first_token(now - subscriber.submitted)
         subscriber.tokens += 1
-        if not _notify(subscriber, token):
+        if not self._outbox.put(subscriber, token):
             # Nobody can receive it (the client's event loop has closed): free its slot.
             self.engine.abort_request(request_id)
             self._end(request_id, None, notify=False)
@@ -180,19 +217,10 @@ class EngineRunner:
         with self._lock:
             self._in_flight -= 1
         if notify:
-            _notify(subscriber, error)
+            self._outbox.put(subscriber, error)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._subscribers):
             with contextlib.suppress(Exception):  # the engine is already broken: end the request anyway
                 self.engine.abort_request(request_id)
             self._end(request_id, RuntimeError(f"generation failed: {error}"))
-
-
-def _notify(subscriber: _Subscriber, item: Any) -> bool:
-    """Hand ``item`` to the subscriber's queue on its event loop; False if that loop has closed."""
-    try:
-        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, item)
-    except RuntimeError:  # "Event loop is closed"
-        return False
-    return True
