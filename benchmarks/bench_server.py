@@ -223,7 +223,10 @@ async def one_request(client, url: str, path: str, body: dict) -> dict:
     """One streamed request: seconds to the first text and to the end, and the usage's counts."""
     started = time.perf_counter()
     first, usage = None, None
-    async with client.stream("POST", f"{url}{path}", json=body, timeout=900) as response:
+    # A connection per request: llama-server (cpp-httplib) closed a kept-alive connection as the 15th
+    # request of a series went out on it ("Server disconnected without sending a response").
+    headers = {"Connection": "close"}
+    async with client.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=900) as response:
         if response.status_code != 200:
             await response.aread()
             raise RuntimeError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
@@ -540,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     system, questions = shared_prefix_workload(count, args.prefix_tokens, args.prefix_questions)
+    load_before = [round(x, 2) for x in os.getloadavg()]
     started = time.perf_counter()
     runs = [run_threads(threads, gguf, args, extra, system, questions) for threads in args.threads]
     minutes = (time.perf_counter() - started) / 60
@@ -548,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     info.pop("torch_threads")
     peer_name = f"llama-server -np {args.slots}"
     print(
-        f"\n{info['cpu']}, {info['cores']} cores, load average {info['load_average']} (at the end), "
+        f"\n{info['cpu']}, {info['cores']} cores, load average {load_before} before, {info['load_average']} after, "
         f"threads {args.threads}, torch {info['torch']}, commit {info['commit']}; llama-server: {peer_version}; "
         f"{minutes:.1f} minutes"
     )
@@ -615,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "benchmark": "server",
                 **info,
+                "load_average_before": load_before,
                 "threads": args.threads,
                 "llama_server": peer_version,
                 "context": args.context,
