@@ -96,9 +96,9 @@ class LLM:
     checkpoint's processor config (``processor_config.json`` / ``preprocessor_config.json``), else 280.
     Videos keep ``video_num_frames`` frames of ``video_soft_tokens`` soft tokens each: the processor
     config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
-    ``quantize``: as in ``torchgemma.load`` (``"auto"``: the named model gemma3-270m keeps its GGUF
-    blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in ``torchgemma.load``
-    (a quantized model's prefill on the CPU: ``"auto"``, ``"int16"``, ``"int8"`` or None).
+    ``quantize``: as in ``torchgemma.load`` (``"auto"``: a .gguf file, or the named model
+    gemma3-270m, keeps its GGUF blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in
+    ``torchgemma.load`` (a quantized model's prefill on the CPU: ``"auto"``, ``"int16"``, ``"int8"`` or None).
     ``prefix_cache_gb``: the memory (GiB) of the prefix cache the LLM keeps across calls
     (``llm.prefix_cache``, a ``generation.prefix_cache.PrefixCache``): a prompt that begins as an
     earlier one did (the conversation so far, a shared system prompt) prefills only the rest, with

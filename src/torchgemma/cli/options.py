@@ -125,7 +125,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "int8", "int4", "gguf", "none"],
         default="auto",
         help="weight-only quantization of the text decoder: int8, int4, gguf (a .gguf file's own blocks), "
-        "none; auto (default): gguf for the named model gemma3-270m, else none",
+        "none (a .gguf file dequantized into --dtype); auto (default): gguf for a .gguf file and for the named "
+        "model gemma3-270m, else none",
     )
     parser.add_argument(
         "--activations",

@@ -104,8 +104,9 @@ def load(
     ``quantize`` quantizes the text decoder's weights while loading, one tensor at a time, so memory
     peaks near the quantized size (see ``torchgemma.quantization``): ``"int8"``, ``"int4"``, or, for a
     GGUF file, ``"gguf"`` (each tensor kept at the file's own precision, no full-precision copy).
-    ``"auto"`` (the default) is ``"gguf"`` for the named model ``gemma3-270m`` and no quantization
-    otherwise; None never quantizes. A checkpoint saved quantized by ``torchgemma.save`` loads as saved.
+    ``"auto"`` (the default) is ``"gguf"`` for a ``.gguf`` file and for the named model ``gemma3-270m``
+    (which is one), no quantization otherwise; None never quantizes (a GGUF file is then dequantized
+    into ``dtype``). A checkpoint saved quantized by ``torchgemma.save`` loads as saved.
     ``activations`` (a quantized model on the CPU): how products of 16 rows or more (prefill) take
     their activations (``torchgemma.quantization.set_activations``): ``"int16"`` (float32's accuracy,
     ~1.6x faster with AVX-512 VNNI), ``"int8"`` (llama.cpp's arithmetic: ~2.2x, slightly less

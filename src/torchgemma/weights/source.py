@@ -119,10 +119,13 @@ SHORTCUT_QUANTIZATION = {"gemma3-270m": "gguf"}
 
 
 def auto_quantization(source: str | Path) -> str | None:
-    """What ``quantize="auto"`` means for ``source``: a named model's fast mode, else None (a local
-    path of the same name wins, as in ``resolve_source``)."""
-    if Path(source).expanduser().exists():
-        return None
+    """What ``quantize="auto"`` means for ``source``: a ``.gguf`` file keeps its own blocks ("gguf",
+    as the named model gemma3-270m, which is such a file: the same file named by its path ran
+    dequantized to float32 at 5.9 tok/s against the shortcut's 25.5); a named model its fast mode;
+    anything else None. A local path of a shortcut's name wins, as in ``resolve_source``."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return "gguf" if path.is_file() and path.suffix == ".gguf" else None
     return SHORTCUT_QUANTIZATION.get(str(source))
 
 
