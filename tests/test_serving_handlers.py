@@ -125,6 +125,7 @@ def test_chat_and_completion_equal_the_library(state, llm, run):
         "prompt_tokens": prompt,
         "completion_tokens": 10,
         "total_tokens": prompt + 10,
+        "prompt_tokens_details": {"cached_tokens": 0},  # nothing of this prompt computed before
     }
 
     text = "The quick brown fox"

@@ -46,6 +46,15 @@ def add_parser(commands) -> None:
         help="requests queued for a slot before 503s (default: 64)",
     )
     serve.add_argument(
+        "--prefix-cache-gb",
+        type=float_where(lambda x: x >= 0, "at least 0"),
+        default=1.0,
+        metavar="G",
+        help="GiB of keys and values of prompts' beginnings kept for later requests (a shared system "
+        "prompt, a conversation's earlier turns: only the rest is prefilled, the replies the same; "
+        "least recently used dropped first); 0 turns it off (default: 1)",
+    )
+    serve.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (visible to other users in `ps`: prefer "
@@ -177,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         limits=limits,
         allowed_hosts=allowed_hosts,
         log_prompts=args.log_prompts,
+        prefix_cache_gb=args.prefix_cache_gb,
     )
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)

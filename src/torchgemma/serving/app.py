@@ -54,6 +54,7 @@ def create_app(
     limits: Limits | None = None,
     allowed_hosts: Sequence[str] | None = None,
     log_prompts: bool = False,
+    prefix_cache_gb: float = 1.0,
 ) -> FastAPI:
     """The server's application: ``uvicorn.run(create_app(llm, model_name=...))``.
 
@@ -63,6 +64,7 @@ def create_app(
     give (any port; ``"*"`` any name, ``"*.example.com"`` its subdomains), None to serve any
     (``torchgemma serve`` allows only loopback names when bound to loopback). Each request is logged
     at INFO on the ``torchgemma.serving`` logger; its prompt too with ``log_prompts``.
+    ``prefix_cache_gb``: GiB of the prefix cache the requests share (0: none; see ``ServerState.build``).
     """
     state = ServerState.build(
         llm,
@@ -74,6 +76,7 @@ def create_app(
         prefill_chunk=prefill_chunk,
         engine=engine,
         limits=limits,
+        prefix_cache_gb=prefix_cache_gb,
     )
     app = FastAPI(title="torchgemma", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state

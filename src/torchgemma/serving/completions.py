@@ -11,6 +11,10 @@ from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
 from .streaming import Outcome, Prepared, completion_logprobs, respond, whole_reply
 
+# Tokens generated when a request gives no max_tokens: OpenAI's default for /v1/completions (a raw
+# prompt has no end of turn to stop at: without a limit one curl ran 302 s to the context's end).
+DEFAULT_MAX_TOKENS = 16
+
 
 async def create_completion(
     state: ServerState, body: CompletionRequest, request: Request | None = None
@@ -44,7 +48,10 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"prompt token {bad} is outside the vocabulary [0, {vocab})", "prompt")
-    engine_args = sampling_args(state, body, len(ids), body.max_tokens, None)
+    max_tokens = body.max_tokens
+    if max_tokens is None:  # OpenAI's default for text completions (chat's is the context left)
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, state.context_limit - len(ids)))
+    engine_args = sampling_args(state, body, len(ids), max_tokens, None)
     if body.logprobs is not None:
         engine_args["logprobs"] = body.logprobs
     prepared = Prepared(ids, engine_args, stop_list(body.stop), logprobs=body.logprobs is not None, raw=True)

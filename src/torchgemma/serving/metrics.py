@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Seconds over which the throughput gauge averages the engine's output.
 THROUGHPUT_WINDOW = 10.0
@@ -67,8 +68,46 @@ class Metrics:
                 self._recent.popleft()
             return sum(tokens for _, tokens in self._recent) / THROUGHPUT_WINDOW
 
+    def watch_prefix_cache(self, store) -> None:
+        """Report ``store``'s counters (a ``PrefixCache``): read from it at each scrape."""
+        self.registry.register(PrefixCacheCollector(store))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's own counters (``PrefixCache.stats()``), read when /metrics is scraped: the
+    store counts them as it works, so nothing is added to the engine's step."""
+
+    COUNTERS = (
+        (
+            "cached_tokens",
+            "torchgemma_prefix_cache_cached_tokens",
+            "Prompt tokens taken from the prefix cache",
+        ),
+        ("queries", "torchgemma_prefix_cache_queries", "Requests that looked in the prefix cache"),
+        ("hits", "torchgemma_prefix_cache_hits", "Requests that reused a prefix from the cache"),
+        ("evictions", "torchgemma_prefix_cache_evictions", "Blocks evicted from the prefix cache"),
+    )
+
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        stats = self.store.stats()
+        for key, name, help_text in self.COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=stats[key])
+        yield GaugeMetricFamily(
+            "torchgemma_prefix_cache_bytes",
+            "Bytes of keys and values the prefix cache holds",
+            value=stats["bytes"],
+        )
+        yield GaugeMetricFamily(
+            "torchgemma_prefix_cache_max_bytes",
+            "The prefix cache's limit in bytes",
+            value=self.store.max_bytes,
+        )
 
 
 # ── the request log ─────────────────────────────────────────────────────────────────────────
@@ -94,20 +133,38 @@ class RequestLog:
     prepared: Any = None
 
     def line(self, tokenizer=None) -> str:
-        """``POST /v1/chat/completions 200 1.234s prompt_tokens=12 completion_tokens=30 client=...``;
-        with ``tokenizer``, the prompt's text too (``--log-prompts``), cut to LOGGED_PROMPT_CHARS."""
+        """``POST /v1/chat/completions 200 1.234s id=chatcmpl-... prompt_tokens=12 cached_tokens=0
+        completion_tokens=30 ttft=0.050s tok/s=48.1 finish=stop client=...``; with ``tokenizer``,
+        the prompt's text too (``--log-prompts``), cut to LOGGED_PROMPT_CHARS.
+
+        ``ttft``: from the request's arrival to its first token; ``tok/s``: the tokens after the
+        first over the time from the first to the last (the decode rate this request saw); "-"
+        where there is nothing to measure (no token, one token, a reply that never ended)."""
         # No status: the client left before a response began.
         status = self.status if self.status is not None else "-"
         text = f"{self.method} {self.path} {status} {time.perf_counter() - self.started:.3f}s"
         prepared = self.prepared
         if prepared is not None:
-            generated = getattr(prepared, "completion_tokens", "-")  # set when the reply ended
-            text += f" prompt_tokens={len(prepared.input_ids)} completion_tokens={generated}"
+            text += self._generation(prepared)
         text += f" client={self.client}"
         if tokenizer is not None and prepared is not None:
             prompt = tokenizer.decode(prepared.input_ids[:LOGGED_PROMPT_CHARS])[:LOGGED_PROMPT_CHARS]
             text += f" prompt={prompt!r}"
         return text
+
+    def _generation(self, prepared) -> str:
+        generated = prepared.completion_tokens  # None until the reply ended
+        first, last = prepared.first_token_at, prepared.last_token_at
+        ttft = "-" if first is None else f"{first - self.started:.3f}s"
+        rate = "-"
+        if generated is not None and generated > 1 and first is not None and last > first:
+            rate = f"{(generated - 1) / (last - first):.1f}"
+        generated = "-" if generated is None else generated
+        return (
+            f" id={prepared.ident or '-'} prompt_tokens={len(prepared.input_ids)}"
+            f" cached_tokens={prepared.cached_tokens} completion_tokens={generated}"
+            f" ttft={ttft} tok/s={rate} finish={prepared.finish_reason or '-'}"
+        )
 
 
 def log_request(request, prepared) -> None:

@@ -44,6 +44,8 @@ class Token:
     finished: bool
     finish_reason: str | None  # "stop" or "length" with the last token
     logprobs: TokenLogprobs | None
+    # On a request's first token: its prompt tokens taken from the prefix cache (not prefilled).
+    cached_tokens: int = 0
 
 
 class Outbox:
@@ -194,7 +196,9 @@ class EngineRunner:
 
     def _deliver(self, output: StepOutput, now: float) -> None:
         request_id = output.request_id
-        token = Token(output.token_id, output.finished, output.finish_reason, output.logprobs)
+        token = Token(
+            output.token_id, output.finished, output.finish_reason, output.logprobs, output.cached_tokens
+        )
         subscriber = self._subscribers.get(request_id)
         if subscriber is None:
             return

@@ -49,8 +49,16 @@ class Prepared:
     raw: bool = False
     # completions with echo: the prompt's text, given back before the completion.
     echo: str = ""
-    # Tokens generated, set when the reply ends (the request log reads it).
-    completion_tokens: int = 0
+    # The reply's id (chatcmpl-..., cmpl-...), set by respond(): its chunks' and the log line's.
+    ident: str = ""
+    # Set as the reply runs, for usage and the request log: prompt tokens taken from the prefix
+    # cache, tokens generated (once the reply ended), when the first and last tokens arrived
+    # (perf_counter), and why it ended.
+    cached_tokens: int = 0
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -127,6 +135,9 @@ async def generate(
             batch = [await tokens.get()]
             while not tokens.empty():
                 batch.append(tokens.get_nowait())
+            prepared.last_token_at = time.perf_counter()
+            if prepared.first_token_at is None:
+                prepared.first_token_at = prepared.last_token_at
             events: list[tuple[str, Any]] = []
             for token in batch:
                 if token is DISCONNECTED:
@@ -138,6 +149,8 @@ async def generate(
                     for event in _merged(events):  # what came before the failure is the client's
                         yield event
                     raise APIError(400 if isinstance(token, ValueError) else 500, str(token))
+                if count == 0:
+                    prepared.cached_tokens = token.cached_tokens
                 count += 1
                 if prepared.logprobs and token.logprobs is not None:
                     events.append(("logprob", logprob_entry(state, token)))
@@ -164,7 +177,8 @@ async def generate(
             if text:
                 yield "content", text
         prepared.completion_tokens = count
-        yield "finish", ("tool_calls" if tool_calls else reason, count)
+        prepared.finish_reason = "tool_calls" if tool_calls else reason
+        yield "finish", (prepared.finish_reason, count)
     except (asyncio.CancelledError, GeneratorExit):
         runner.abort(request_id)
         raise
@@ -235,6 +249,7 @@ async def respond(
 ) -> dict | StreamingResponse:
     """A prepared chat or text completion's reply, logged: a stream of chunks when ``body.stream``,
     else ``whole(state, outcome, prepared)`` once the generation is done."""
+    prepared.ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     log_request(request, prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -268,7 +283,7 @@ def whole_reply(
 ) -> dict:
     """A non-streamed reply: one choice, with the id, model, fingerprint and usage around it."""
     return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "id": prepared.ident or f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": state.model_name,
@@ -279,8 +294,15 @@ def whole_reply(
 
 
 def usage(prepared: Prepared, tokens: int) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
+    cache held (counted in ``prompt_tokens`` too, as OpenAI counts them)."""
     prompt = len(prepared.input_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": tokens,
+        "total_tokens": prompt + tokens,
+        "prompt_tokens_details": {"cached_tokens": prepared.cached_tokens},
+    }
 
 
 # ── server-sent events ──────────────────────────────────────────────────────────────────────
@@ -301,9 +323,9 @@ class ChunkWriter:
     Every chunk of a response has the same id, object, created time, model and fingerprint (as
     OpenAI's do): they are rendered once, and each chunk encodes only its choice."""
 
-    def __init__(self, state: ServerState, chat: bool):
+    def __init__(self, state: ServerState, chat: bool, ident: str = ""):
         self.state, self.chat = state, chat
-        self.ident = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+        self.ident = ident or (f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}")
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         head = {
             "id": self.ident,
@@ -335,7 +357,7 @@ async def stream_chunks(
     state: ServerState, request: Request | None, prepared: Prepared, *, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per delta, the finish chunk, the usage chunk, [DONE]."""
-    chunk = ChunkWriter(state, chat)
+    chunk = ChunkWriter(state, chat, prepared.ident)
     events = generate(state, request, prepared)
     # Start generating before the response begins, so that a refused request is a plain error.
     first = await anext(events)
