@@ -6,13 +6,13 @@
 Only the engine thread touches the engine: handlers never wait for a forward pass to end, they put
 their request (or an abort) in the inbox and read their own queue. A request's queue receives one
 ``Token`` per generated token, then ``None`` when it finished; an ``Exception`` if it failed.
+The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``submit`` raises
+``Busy`` (the server answers 503 with Retry-After).
 
 What a step produced reaches each event loop in one ``call_soon_threadsafe`` (one wakeup of the
 loop per step, not one per token): the loop's work runs in Python, holding the GIL that the engine
 thread needs between torch's operations, so fewer and shorter bursts of it leave the engine more
 of the step (see ``Outbox``).
-The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``submit`` raises
-``Busy`` (the server answers 503 with Retry-After).
 
 The engine thread outlives every request: a request's own failure reaches that request alone (the
 engine reports it as a step output), a request whose event loop has closed is aborted, and an
