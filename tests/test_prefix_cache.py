@@ -382,7 +382,7 @@ def test_llm_chat_second_turn_reuses_the_conversation(llm_checkpoint):
 
     llm = LLM(llm_checkpoint, dtype=torch.bfloat16, progress=False)
     assert llm.prefix_cache is not None and llm.prefix_cache.max_bytes == 2**30
-    long_text = " ".join(f"word{i % 50} is here" for i in range(300))
+    long_text = " ".join(f"word{i % 50} is here" for i in range(80))
     messages = [{"role": "user", "content": long_text}]
     first = llm.chat(messages, max_new_tokens=4, temperature=0)
     prompt_tokens = len(llm.chat_ids(messages))

@@ -165,6 +165,8 @@ class PrefixCache:
         """The longest chain of stored blocks spelling ``tokens[:n]``, for the largest ``n <= limit``
         that is a multiple of ``unit`` (the engine's prefill chunk); counted in ``stats``."""
         size = self.block_size
+        if unit % size:
+            raise ValueError(f"unit ({unit}) must be a multiple of block_size ({size})")
         chain: list[Block] = []
         parent = root
         for start in range(0, limit - size + 1, size):
