@@ -30,6 +30,7 @@ from torchgemma.quantization import (
     quantize,
     quantize_rtn,
 )
+from torchgemma.quantization.modules import BOUNDED_ROWS, DENSE_ROWS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,10 +132,11 @@ def test_dense_product_is_the_float32_product_of_the_dequantized_weight(bits, gr
 )
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins, scale_dtype):
     """Decode batches of 1 to 15 rows: each row's products equal, to the bit, that row alone (the
-    engine promises a request what it would get alone)."""
+    engine promises a request what it would get alone). 389 weight rows: the kernel's tiles of
+    weight rows (~32 KB each) end inside the weight, and at an odd row."""
     if not ensure_kernels():
         pytest.skip(kernels.kernel_status())
-    n, k = 29, 192
+    n, k = 389, 192
     q = kernels.pack(random_ints(n, k, bits, seed=5), bits)
     gen = torch.Generator().manual_seed(2)
     scales = torch.rand(n, k // group, generator=gen).to(scale_dtype)
@@ -670,6 +672,32 @@ def test_greedy_head_bounds_hold_and_are_reached(bits, group, mins, scale_dtype)
     assert distance.max() > 0  # the scores are approximations, not the exact values
 
 
+@pytest.mark.parametrize(("bits", "mins"), [(8, False), (4, True)])
+def test_greedy_head_bounds_of_a_row_do_not_depend_on_the_rows_beside_it(bits, mins):
+    """qlinear_bounds reads each weight row once for every activation row: each row's approx and
+    bound equal, to the bit, that row's alone, a non-finite row among them included."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k, group = 301, 192, 32
+    q = kernels.pack(random_ints(n, k, bits, seed=9), bits)
+    gen = torch.Generator().manual_seed(4)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    offsets = (torch.randn(n, k // group, generator=gen) * 0.05).to(torch.float16) if mins else None
+    norms = torch.ops.torchgemma.row_norms(q, scales, bits, group)
+    x = _activations(9, k, seed=3)
+    x[4, 10] = float("nan")
+
+    def bounds(rows):
+        return torch.ops.torchgemma.qlinear_bounds(rows, q, scales, offsets, bits, group, norms)
+
+    alone = [torch.cat(parts) for parts in zip(*(bounds(x[i : i + 1]) for i in range(9)))]
+    for rows in (2, 3, 4, 5, 9):
+        together = bounds(x[:rows])
+        for part, whole in zip(together, alone):
+            assert torch.equal(part, whole[:rows]), rows
+    assert torch.isinf(alone[1][4]).all()  # the NaN row: every weight row in doubt
+
+
 def _head(bits: int, n: int = 4000, k: int = 256, seed: int = 0) -> QuantizedLinear:
     fmt = Format(bits=bits, group_size=32, has_mins=bits == 4, scale_dtype="float16")
     layer = QuantizedLinear(k, n, fmt)
@@ -710,7 +738,8 @@ def test_greedy_head_argmax_equals_the_full_heads(bits, rows):
 
 def test_greedy_head_falls_back_where_it_cannot_bound():
     """A non-finite input leaves every row in doubt (the full product decides, NaN as argmax takes
-    it); 16 rows or more take the BLAS path's product."""
+    it); more than BOUNDED_ROWS rows take the full product (the row kernel's, from DENSE_ROWS on the
+    BLAS's)."""
     layer = _head(8)
     x = _activations(2, 256, seed=1)
     x[0, 5] = float("nan")
@@ -721,9 +750,10 @@ def test_greedy_head_falls_back_where_it_cannot_bound():
     assert torch.isinf(bound).all()
     assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
     assert torch.equal(layer.argmax(x, torch.tanh), torch.tanh(layer.matmul(x)).argmax(-1))
-    many = _activations(16, 256, seed=2)
-    assert not layer._bounded(many)
-    assert torch.equal(layer.argmax(many), layer.matmul(many).argmax(-1))
+    for rows in (BOUNDED_ROWS + 1, DENSE_ROWS):  # the row kernel's full product, then the BLAS's
+        many = _activations(rows, 256, seed=2)
+        assert not layer._bounded(many)
+        assert torch.equal(layer.argmax(many), layer.matmul(many).argmax(-1))
 
 
 @pytest.mark.parametrize(("style", "mode"), [("e2b", "int8"), ("31b", "int4"), ("26b", "int8")])

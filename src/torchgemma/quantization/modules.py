@@ -26,6 +26,13 @@ from ..kernels import _dequantize_reference, ensure_kernels, features_of, pack, 
 # (measured on AVX2). With integer activations (QuantizedWeight.activation_bits) these calls round
 # their activations to int16 or int8 instead (qlinear_int); calls of fewer rows (a decode step) never do.
 DENSE_ROWS = 16
+# The greedy head (QuantizedWeight.argmax) bounds calls of at most this many rows. qlinear_bounds reads
+# the weight once for all rows, but its int8 products cost about what the row kernel's float products
+# do on AVX2 (both bound by the multiply units once more than a few rows share a pass): on the real
+# 262144 x 640 head (one thread, AMD EPYC) bounds / full product took 29 / 30 ms for 1 row, 35-47 / 39-51
+# for 2, 49-63 / 46-62 for 3, 80-93 / 56-59 for 8, and the bounded rows still need their candidates.
+# More rows take the full product (the same kernel as matmul), whose argmax is the same token.
+BOUNDED_ROWS = 3
 
 
 @dataclass(frozen=True)
@@ -171,16 +178,18 @@ class QuantizedWeight(nn.Module):
         return torch.stack(tokens)
 
     def _bounded(self, x: torch.Tensor) -> bool:
-        """Whether ``argmax`` can bracket this call: CPU kernels loaded, 8- or 4-bit groups of 32,
-        few rows (more take the dequantized BLAS product, whose rounding differs). (A row with a
-        non-finite value leaves every weight row in doubt: ``argmax`` then computes them all.)"""
+        """Whether ``argmax`` brackets this call: CPU kernels loaded, 8- or 4-bit groups of 32, at
+        most BOUNDED_ROWS rows (more cost as much to bound as to compute, see BOUNDED_ROWS; from
+        DENSE_ROWS on the product is the dequantized BLAS's, whose rounding the candidates' row
+        kernel would not reproduce). (A row with a non-finite value leaves every weight row in
+        doubt: ``argmax`` then computes them all.)"""
         f = self.format
         return (
             self.qweight.device.type == "cpu"
             and f.bits in (8, 4)
             and f.group_size % 32 == 0
             and x.dim() == 2
-            and 0 < x.shape[0] < DENSE_ROWS
+            and 0 < x.shape[0] <= min(BOUNDED_ROWS, DENSE_ROWS - 1)
             and not torch.compiler.is_compiling()
             and ensure_kernels()
         )

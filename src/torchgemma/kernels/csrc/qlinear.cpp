@@ -280,25 +280,33 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
 
   // Enough rows per task that a thread streams a long run of weights.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  // Tiles of weight rows (~32 KB) outermost: a tile is read from memory once and stays in L1/L2 while
+  // every block of activation rows (kRowBlock x K floats, in L1) passes over it, so M rows cost one
+  // pass over the weight until the arithmetic binds. (Activation rows outermost re-read the weight
+  // from memory per block; single weight rows outermost stream all M x K activations from L2 per row.)
+  const int64_t tile = std::max<int64_t>(4, (32 << 10) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, N, grain, [&](int64_t t0, int64_t t1) {
     float acc[kRowBlock * 4];
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m0);
-      for (int64_t n = n0; n < n1;) {
+    for (int64_t n0 = t0; n0 < t1; n0 += tile) {
+      const int64_t n1 = std::min(t1, n0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - m0);
         const int64_t block = weight_block(rows, bits);
-        const int64_t weights = n + block <= n1 ? block : 1;
-        block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp + m0 * K, K, rows,
-                        weights, acc);
-        for (int64_t m = 0; m < rows; ++m) {
-          for (int64_t r = 0; r < weights; ++r) {
-            float y = acc[m * weights + r];
-            if (mp) {
-              y += min_dot(mp + (n + r) * groups, xs + (m0 + m) * groups, groups);
+        for (int64_t n = n0; n < n1;) {
+          const int64_t weights = n + block <= n1 ? block : 1;
+          block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp + m0 * K, K, rows,
+                          weights, acc);
+          for (int64_t m = 0; m < rows; ++m) {
+            for (int64_t r = 0; r < weights; ++r) {
+              float y = acc[m * weights + r];
+              if (mp) {
+                y += min_dot(mp + (n + r) * groups, xs + (m0 + m) * groups, groups);
+              }
+              op[(m0 + m) * N + n + r] = y;
             }
-            op[(m0 + m) * N + n + r] = y;
           }
+          n += weights;
         }
-        n += weights;
       }
     }
   });
