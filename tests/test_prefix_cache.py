@@ -9,6 +9,7 @@ sliding window is 5 tokens; chunks of 8 put reuse points past it, chunks of 4 at
 from __future__ import annotations
 
 import gc
+import io
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from checkpoints import TINY_TOKEN_IDS, build_large_vision_checkpoint, build_omn
 from gemma3_checkpoints import gemma3_checkpoint
 from gemma3n_checkpoints import build as build_gemma3n
 from torchgemma import Engine, MediaInputs, SamplingParams
+from torchgemma.cli.common import report_speed
 from torchgemma.generation import GenerationStats, stream
 from torchgemma.generation.prefix_cache import PrefixCache
 
@@ -391,6 +393,9 @@ def test_llm_chat_second_turn_reuses_the_conversation(llm_checkpoint):
     stats = GenerationStats()
     second = llm.chat(messages, max_new_tokens=6, temperature=0, stats=stats)
     assert stats.cached_tokens == prompt_tokens // 512 * 512 and llm.prefix_cache.stats()["hits"] == 1
+    line = io.StringIO()
+    report_speed(stats, line)  # what chat --verbose prints after a turn
+    assert f"({stats.cached_tokens} from the prefix cache) | decode" in line.getvalue()
     fresh = LLM(llm_checkpoint, dtype=torch.bfloat16, progress=False, prefix_cache_gb=0)
     assert fresh.prefix_cache is None
     assert fresh.chat(messages, max_new_tokens=6, temperature=0).token_ids == second.token_ids

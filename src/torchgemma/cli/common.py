@@ -205,7 +205,8 @@ def sampling_params(args: argparse.Namespace, llm) -> SamplingParams:
 
 def report_speed(stats, out) -> None:
     print(
-        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tok/s | "
+        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_second:.1f} tok/s"
+        f"{f' ({stats.cached_tokens} from the prefix cache)' if stats.cached_tokens else ''} | "
         f"decode: {stats.steps} tokens, {stats.decode_tokens_per_second:.1f} tok/s",
         file=out,
         flush=True,
