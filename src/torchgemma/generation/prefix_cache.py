@@ -59,9 +59,9 @@ Measured (``benchmarks/bench_prefix_cache.py``, 2-core AVX2 EPYC shared with oth
 average 4-6, 1 thread, medians of 5 interleaved runs, commit de34e23): the real 270M (GGUF blocks,
 float32), a 1,536-token prefix plus a 24-token question, then another question: time to the first
 token 12.24 s, then 0.49 s (1,536 tokens reused; 0.04x), tokens equal to a run without the store
-(13.14 s). Decode, 64 tokens after a 64-token prompt, with and without a store: 4.42 and 4.54
-tok/s (0.97x: noise under that load, the step runs the same code either way); the tests' tiny
-E2B-like model, 300 tokens: 54.38 and 54.01 tok/s (1.007x).
+(13.14 s). Decode with and without a store (the step runs the same code either way): the 270M,
+96 tokens after a 64-token prompt, 7 runs: 18.10 and 18.07 tok/s (1.002x); the tests' tiny E2B-like
+model, 300 tokens, 9 runs: 54.38 and 54.01 tok/s (1.007x).
 
 The store is used from the engine's thread only (``stats()`` may be read from anywhere).
 """
