@@ -221,6 +221,24 @@ def test_images_in_the_shared_prefix(vision_checkpoints, which):
     assert store.stats()["blocks"] == 4 + (2 if which == "e2b" else 6)
 
 
+def test_media_types_that_do_not_fit_the_prompt(vision_checkpoints):
+    """mm_token_type_ids of another length than the prompt are refused when the request is added
+    (the engine's admission reads them to find the first media token; a 31B-like prefill read them
+    past their end), with or without a store."""
+    model = torchgemma.load(vision_checkpoints["31b"], dtype=torch.float32)
+    prompt, media = image_request(model, tokens(9, 17), tokens(3, 18))
+    types = media.mm_token_type_ids[:, :-2]
+    broken = MediaInputs(
+        pixel_values=media.pixel_values, image_position_ids=media.image_position_ids, mm_token_type_ids=types
+    )
+    for store in (PrefixCache(1 << 20, block_size=8), None):
+        engine = Engine(model, max_batch_size=2, max_len=64, prefill_chunk=8, prefix_cache=store)
+        with pytest.raises(
+            ValueError, match=f"'bad': {len(prompt) - 2} mm_token_type_ids, {len(prompt)} ids"
+        ):
+            engine.add_request("bad", prompt, max_new_tokens=2, media=broken, sampling=GREEDY)
+
+
 def test_stream_reuses_the_text_before_an_image(vision_checkpoints):
     """``stream`` hands one unpadded multimodal row to the engine (which embeds it as stream does):
     its text before the image is reused; a padded batch (embedded at once) neither reuses nor stores."""

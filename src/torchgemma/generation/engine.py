@@ -190,9 +190,12 @@ class Engine:
         if media is not None and embedded is not None:
             raise ValueError(f"request {request_id!r}: give media or an embedded prompt, not both")
         media = media if media else None
-        if media is not None and media.mm_token_type_ids is not None:
-            media = replace(media, mm_token_type_ids=media.mm_token_type_ids.reshape(1, -1))
+        types = None if media is None else media.mm_token_type_ids
+        if types is not None:
+            media = replace(media, mm_token_type_ids=types.reshape(1, -1))
         prompt = _token_list(input_ids, self.model.config.text.vocab_size)
+        if types is not None and types.numel() != len(prompt):
+            raise ValueError(f"request {request_id!r}: {types.numel()} mm_token_type_ids, {len(prompt)} ids")
         context = self.model.config.text.max_position_embeddings
         room = min(self.max_len, context) - len(prompt)
         if room <= 0:
@@ -543,12 +546,8 @@ class Engine:
 
     def _vision_blocks(self, request: Request) -> bool:
         """Whether the request's prompt runs with image blocks (bidirectional vision attention)."""
-        media = request.media
-        return (
-            media is not None
-            and media.mm_token_type_ids is not None
-            and self.model.config.text.use_bidirectional_attention == "vision"
-        )
+        types = None if request.media is None else request.media.mm_token_type_ids
+        return types is not None and self.model.config.text.use_bidirectional_attention == "vision"
 
     def _decode(self, requests: list[Request]) -> list[torch.Tensor | int]:
         """One token for each decoding request, in one forward pass: what picks each one's token

@@ -309,7 +309,11 @@ def media_start(model: Gemma, prompt: Sequence[int], media: MediaInputs | None) 
     audio = model.config.gemma3n_audio
     if audio is not None:
         special |= ids == audio.audio_token_id
-    if media.mm_token_type_ids is not None:
-        special |= media.mm_token_type_ids.reshape(-1).cpu() != 0
+    types = media.mm_token_type_ids
+    if types is not None:
+        types = types.reshape(-1).cpu()
+        if types.shape != ids.shape:
+            return 0  # media that do not fit the prompt: nothing stored (its prefill fails, alone)
+        special |= types != 0
     found = special.nonzero()
     return int(found[0, 0]) if len(found) else len(prompt)
