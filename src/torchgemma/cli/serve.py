@@ -55,6 +55,15 @@ def add_parser(commands) -> None:
         "least recently used dropped first); 0 turns it off (default: 1)",
     )
     serve.add_argument(
+        "--prefill-chunk",
+        type=int_at_least(1),
+        default=512,
+        metavar="N",
+        help="prompt tokens read per forward pass (a long prompt takes several, interleaved with the "
+        "other requests' decode steps); the prefix cache reuses whole chunks, so a smaller chunk "
+        "reuses more of a shared beginning (default: 512)",
+    )
+    serve.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (visible to other users in `ps`: prefer "
@@ -187,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=allowed_hosts,
         log_prompts=args.log_prompts,
         prefix_cache_gb=args.prefix_cache_gb,
+        prefill_chunk=args.prefill_chunk,
     )
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)
