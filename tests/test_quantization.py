@@ -318,15 +318,17 @@ def test_integer_activation_rows_that_are_not_finite_give_nan():
 
 
 def test_integer_activations_on_a_model(text_checkpoints):
-    """Products of 16 rows or more (prefill) round activations; one-token steps keep their bits; None
-    restores the float products; "auto" is int16 with VNNI, else None; refused where it cannot run."""
+    """Products of DENSE_ROWS rows or more (prefill) round activations; one-token steps keep their
+    bits; None restores the float products; "auto" is int16 with VNNI, else None; refused where it
+    cannot run."""
     from torchgemma.quantization import QuantizedWeight, set_activations, vnni_available
 
     folder = text_checkpoints["e2b"]
     model = torchgemma.load(folder, quantize="int8", activations=None)
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
     assert weights and not any(m.activation_bits for m in weights)
-    ids = IDS  # 2 x 11 tokens: 22 rows per product
+    ids = torch.cat([IDS, IDS[:, :6]], dim=1)  # 2 x 17 tokens: 34 rows per product
+    assert ids.numel() >= DENSE_ROWS
     with torch.inference_mode():
         prefill, step = model(ids), model(ids[:, :1])
         errors = {}

@@ -40,7 +40,7 @@ from ..model.text import Experts, TextModel, expert_linear
 # torch's rule (aten/src/ATen/native/mkldnn/Matmul.cpp, checksize): oneDNN takes a reduced-precision
 # product of more than this many multiply-adds on CPUs where it supports the type.
 ONEDNN_MIN_PRODUCT = 16 * 16 * 16
-PROBE_ROWS = (2, 3, 4, 5, 8, 16)
+PROBE_ROWS = (2, 3, 4, 5, 8, 16, 32)  # 32: quantization.modules.DENSE_ROWS
 HEAD_ROWS = 16384
 # Probes already run, per model (weights change in place only through load paths that build a model).
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

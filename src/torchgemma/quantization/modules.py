@@ -22,10 +22,13 @@ from torch import nn
 from ..kernels import _dequantize_reference, ensure_kernels, features_of, pack, packed_width
 
 # Calls with at least this many rows use the float32 BLAS on the weight dequantized a slab of rows at a
-# time (qlinear_dense): from here on it beats re-reading the integers row block by row block
-# (measured on AVX2). With integer activations (QuantizedWeight.activation_bits) these calls round
-# their activations to int16 or int8 instead (qlinear_int); calls of fewer rows (a decode step) never do.
-DENSE_ROWS = 16
+# time (qlinear_dense): from here on it beats the row kernel, which converts each weight group once per
+# block of (4 or 8) rows. Measured on AVX2 (AMD EPYC, one thread, row kernel / BLAS): the 262144 x 640
+# Q8_0 head 110 / 149 ms at 16 rows, 148 / 178 at 24, 217 / 212 at 32; the 270M's layers 68 / 86 ms at
+# 16, 102 / 104 at 24, 176 / 180 at 32. So a decode step of up to 31 requests reads each weight once
+# through the row kernel. With integer activations (QuantizedWeight.activation_bits) these calls round
+# their activations to int16 or int8 instead (qlinear_int); calls of fewer rows never do.
+DENSE_ROWS = 32
 # The greedy head (QuantizedWeight.argmax) bounds calls of at most this many rows. qlinear_bounds reads
 # the weight once for all rows, but its int8 products cost about what the row kernel's float products
 # do on AVX2 (both bound by the multiply units once more than a few rows share a pass): on the real

@@ -16,6 +16,16 @@ namespace torchgemma::TG_ISA {
 // How many activation rows share one pass over a weight row (its integers are converted once).
 constexpr int64_t kRowBlock = 4;
 
+// The same for a call's weight: 8 rows for 8-bit groups of 32 (GGUF's Q8_0, most of a Q4_K_M model's
+// bytes and its head) where the build has AVX2: each group's conversion to float is shared by twice
+// the rows (the kernel keeps 8 sums, 4 weight vectors and 2 chains in the 16 registers).
+inline int64_t row_block(int64_t bits, int64_t group) {
+#ifdef TG_AVX2
+  if (bits == 8 && group == 32) return 2 * kRowBlock;
+#endif
+  return kRowBlock;
+}
+
 #ifdef TG_AVX2
 
 // R weight rows times MB activation rows, bits 8: out[m * R + r] = sum_g s_rg * dot_g(x_m, q_r). The
@@ -230,6 +240,20 @@ inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64
   if (weights == 2 && rows == 2) return run(I2{}, I2{});
   if (weights == 2 && rows == 1) return run(I1{}, I2{});
   TORCH_CHECK(weights == 1, "qlinear: no kernel for ", rows, " x ", weights, " rows");
+  if constexpr (BITS == 8) {
+    if (G == 32 && rows > kRowBlock) {  // row_block's wider blocks
+      using I5 = std::integral_constant<int, 5>;
+      using I6 = std::integral_constant<int, 6>;
+      using I7 = std::integral_constant<int, 7>;
+      using I8 = std::integral_constant<int, 8>;
+      switch (rows) {
+        case 8: return run(I8{}, I1{});
+        case 7: return run(I7{}, I1{});
+        case 6: return run(I6{}, I1{});
+        default: return run(I5{}, I1{});
+      }
+    }
+  }
   switch (rows) {  // weights == 1
     case 4: return run(I4{}, I1{});
     case 3: return run(I3{}, I1{});
@@ -287,10 +311,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const int64_t tile = std::max<int64_t>(4, (32 << 10) / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, N, grain, [&](int64_t t0, int64_t t1) {
     float acc[kRowBlock * 4];
+    const int64_t mblock = row_block(bits, group);
     for (int64_t n0 = t0; n0 < t1; n0 += tile) {
       const int64_t n1 = std::min(t1, n0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t rows = std::min(kRowBlock, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += mblock) {
+        const int64_t rows = std::min(mblock, M - m0);
         const int64_t block = weight_block(rows, bits);
         for (int64_t n = n0; n < n1;) {
           const int64_t weights = n + block <= n1 ? block : 1;
