@@ -500,7 +500,9 @@ def test_gguf_reads_as_the_hf_checkpoint(gemma3n_gguf):
 def test_gguf_loads_with_the_logits_of_its_values(gemma3n_gguf):
     path, _, expected = gemma3n_gguf
     reference = _gguf_reference(path, expected)
-    model = torchgemma.load(path, attention="eager", quantize=None)  # dequantized (a .gguf default: its blocks)
+    model = torchgemma.load(
+        path, attention="eager", quantize=None
+    )  # dequantized (a .gguf default: its blocks)
     assert model.config.model_type == "gemma3n_text" and model.dtype == torch.float32
     ids = torch.randint(3, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
     ids[:, 4], ids[1, 7] = 1001, 1023  # past the source's per-layer table (zero rows in the file)

@@ -896,7 +896,9 @@ def test_gguf_loads_as_a_model_with_the_logits_of_its_values(synthetic, name):
     values = {k: torch.as_tensor(v) for k, v in expected.items()}
     reference.load_state_dict({**values, "lm_head.weight": values["model.embed_tokens.weight"]})
     reference.set_attn_implementation("eager")
-    model = torchgemma.load(path, attention="eager", quantize=None)  # dequantized (a .gguf default: its blocks)
+    model = torchgemma.load(
+        path, attention="eager", quantize=None
+    )  # dequantized (a .gguf default: its blocks)
     assert model.dtype == torch.float32
     ids = torch.randint(3, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
