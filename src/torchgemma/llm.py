@@ -33,7 +33,7 @@ import torch
 
 from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows, embed_texts
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, SamplingParams, stream
-from .generation.prefix_cache import PrefixCache
+from .generation.prefix_cache import prefix_cache_of
 from .model.inputs import MediaInputs
 from .processing.processor import ProcessedPrompt, Processor
 from .replies import Delta, ReplyStream, ToolCall, parse_reply
@@ -118,10 +118,7 @@ class LLM:
         activations: str | None = "auto",
         prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
     ) -> None:
-        if not prefix_cache_gb >= 0:
-            raise ValueError(
-                f"prefix_cache_gb must be >= 0 (0 turns the prefix cache off), got {prefix_cache_gb}"
-            )
+        prefix_cache = prefix_cache_of(prefix_cache_gb)  # checked before the load
         folder = resolve_source(source)
         self.folder = folder
         # The source, not the folder: load resolves it again (a local or cached path by now) and
@@ -155,8 +152,7 @@ class LLM:
             max_soft_tokens=max_soft_tokens,
             towers_note=self.model.towers_note,
         )
-        size = int(prefix_cache_gb * 2**30)
-        self.prefix_cache = PrefixCache(size) if size > 0 else None
+        self.prefix_cache = prefix_cache
 
     @property
     def context_length(self) -> int:

@@ -278,6 +278,14 @@ class PrefixCache:
             block = parent
 
 
+def prefix_cache_of(gib: float) -> PrefixCache | None:
+    """A store of ``gib`` GiB (``LLM(prefix_cache_gb=)``, ``serve --prefix-cache-gb``), None for 0."""
+    if not gib >= 0:
+        raise ValueError(f"prefix_cache_gb must be >= 0 (0 turns the prefix cache off), got {gib}")
+    size = int(gib * 2**30)
+    return PrefixCache(size) if size > 0 else None
+
+
 def load_chain(cache: KVCache, slot: int, chain: Sequence[Block], config: TextConfig) -> int:
     """Load a matched chain into free slot ``slot`` of ``cache``: every position for full layers,
     the blocks that cover the last ``cache.ring`` positions for sliding ones. Returns its length."""

@@ -10,9 +10,9 @@ The waiting room is bounded: beyond ``max_waiting`` requests not yet running, ``
 ``Busy`` (the server answers 503 with Retry-After).
 
 What a step produced reaches each event loop in one ``call_soon_threadsafe`` (one wakeup of the
-loop per step, not one per token): the loop's work runs in Python, holding the GIL that the engine
-thread needs between torch's operations, so fewer and shorter bursts of it leave the engine more
-of the step (see ``Outbox``).
+loop per step, not one per token; see ``Outbox``): 16 streams of 64 tokens woke the loop 1,375
+times instead of 5,344 and made 215k Python calls there instead of 1.15M. (Whether that shows in
+tok/s was not measurable on a shared 2-core machine.)
 
 The engine thread outlives every request: a request's own failure reaches that request alone (the
 engine reports it as a step output), a request whose event loop has closed is aborted, and an

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..generation.engine import Engine
-from ..generation.prefix_cache import PrefixCache
+from ..generation.prefix_cache import prefix_cache_of
 from ..llm import LLM
 from ..tokenizer import UnknownTokenError
 from ..version import __version__
@@ -73,19 +73,15 @@ class ServerState:
         ``prefix_cache_gb``: GiB of a prefix cache the requests share (``PrefixCache``: a prompt
         that begins as an earlier one did prefills only the rest, with the same results); 0 turns it
         off. Its own store, not ``llm.prefix_cache``: that one is the library's, for ``LLM``'s calls."""
-        if not prefix_cache_gb >= 0:
-            raise ValueError(
-                f"prefix_cache_gb must be >= 0 (0 turns the prefix cache off), got {prefix_cache_gb}"
-            )
+        prefix_cache = prefix_cache_of(prefix_cache_gb)
         if engine is None:
-            size = int(prefix_cache_gb * 2**30)
             engine = Engine(
                 llm.model,
                 max_batch_size=max_batch_size,
                 max_len=max_len,
                 prefill_chunk=prefill_chunk,
                 generation_config=llm.generation_config,
-                prefix_cache=PrefixCache(size) if size > 0 else None,
+                prefix_cache=prefix_cache,
             )
         runner: EngineRunner | None = None  # the gauges read it once it exists
         metrics = Metrics(lambda: runner.running, lambda: runner.waiting)
