@@ -143,17 +143,21 @@ def test_reuse_inside_the_window(gen_checkpoints):
 
 def test_reuse_off_the_chunk_grid_would_not_be_exact(gen_checkpoints, monkeypatch):
     """Why reuse stops at chunk starts: at a block boundary inside a chunk (28 here), the rest is
-    computed in other chunks than without the store, and sdpa's bf16 bits move (this test checks
-    that the comparison above can fail)."""
-    model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.bfloat16)
-    requests = conversation(model)[:2]
+    computed in other chunks than without the store, and the bits move (this test checks that the
+    comparisons above can fail). Shown where kernels switch by row count on every machine: the
+    quantized products take the row kernel below DENSE_ROWS (32) rows and the dequantized BLAS from
+    there, so keys 28-39 come from a 40-row call without the store and from a 14-row one with it.
+    (sdpa's bf16 bits moved the same way on an AVX2 machine, and did not on an AVX-512 one.)"""
+    model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.float32, quantize="int8")
+    requests = conversation(model, chunk=40)[:2]
     match = PrefixCache.match
     monkeypatch.setattr(
         PrefixCache, "match", lambda self, root, ids, limit, unit: match(self, root, ids, 28, 4)
     )
-    with_store = one_by_one(model, requests, PrefixCache(1 << 24, block_size=4))
+    with_store = one_by_one(model, requests, PrefixCache(1 << 24, block_size=4), chunk=40)
     assert cached(with_store)["b"] == 28
-    assert without_cached(with_store)["b"] != without_cached(one_by_one(model, requests, None))["b"]
+    without = one_by_one(model, requests, None, chunk=40)
+    assert without_cached(with_store)["b"] != without_cached(without)["b"]
 
 
 def test_float32_greedy_tokens(gen_checkpoints):

@@ -376,7 +376,7 @@ def test_integer_activations_without_vnni(text_checkpoints, monkeypatch):
     """Without VNNI "auto" keeps float activations, and asking for integer ones says what it costs."""
     from torchgemma.quantization import set_activations
 
-    monkeypatch.setattr(torchgemma.quantization, "vnni_available", lambda: False)
+    monkeypatch.setattr(torchgemma.quantization.transform, "vnni_available", lambda: False)
     model = torchgemma.load(text_checkpoints["31b"], quantize="int4")
     up = model.language_model.layers[0].mlp.up_proj
     assert up.activation_bits == 0
