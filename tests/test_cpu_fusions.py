@@ -80,6 +80,72 @@ def _run(model, ids, mask) -> torch.Tensor:
     return torch.cat((prefill[:1], torch.cat(steps, 1)), 1)
 
 
+def test_decode_attention_gives_a_row_its_own_bits_in_a_batch_and_on_any_thread_count():
+    """A row whose visible keys are a range gets the bits of that range attended alone (a batch of
+    rows with their own lengths is one call, each row as it would be alone), for contexts of one
+    piece and of several (1024 keys each); and the bits do not depend on the thread count."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 1, 256, generator=gen)
+    k, v = torch.randn(2, 3, 1, 3000, 256, generator=gen).unbind(0)
+    ranges = [(0, 700), (11, 3000), (2990, 3000)]
+    visible = torch.zeros(3, 3000, dtype=torch.bool)
+    for row, (start, end) in enumerate(ranges):
+        visible[row, start:end] = True
+    together = decode(q, k, v, 0.0625, visible)
+    for row, (start, end) in enumerate(ranges):
+        alone = decode(
+            q[row : row + 1], k[row : row + 1, :, start:end], v[row : row + 1, :, start:end], 0.0625
+        )
+        assert torch.equal(together[row : row + 1], alone)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(decode(q, k, v, 0.0625, visible), together)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_batched_decode_step_of_rows_with_their_own_lengths_takes_one_call(text_checkpoints, monkeypatch):
+    """The engine's decode step over requests of different lengths (each row its own key range) runs
+    the one-call attention, and each request's tokens are its tokens alone (its logprobs to float32
+    rounding: the float32 products round a row by the batch's size; the attention does not, as the
+    test above shows)."""
+    from torchgemma.generation import Engine
+
+    model = fuse_cpu_ops(torchgemma.load(text_checkpoints["e2b"], dtype=torch.float32))
+    prompts = {"a": list(range(5, 12)), "b": list(range(20, 23)), "c": list(range(40, 53))}
+
+    def run(names):
+        engine = Engine(model, max_batch_size=3, max_len=48)
+        for name in names:
+            engine.add_request(name, prompts[name], max_new_tokens=6, logprobs=0)
+        got = {name: [] for name in names}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id].append((out.token_id, out.logprobs.logprob))
+        return got
+
+    alone = {name: run([name])[name] for name in prompts}
+    calls, fallbacks = [], []
+
+    def kernel(q, k, v, scale, visible):
+        calls.append((q.shape[0], visible is not None))
+        return decode(q, k, v, scale, visible)
+
+    def fallback(q, *args):
+        fallbacks.append(q.shape[2])
+        return ATTENTION["sdpa"](q, *args)
+
+    monkeypatch.setattr(cpu_fusions, "_DECODE_ATTENTION", kernel)
+    monkeypatch.setattr(cpu_fusions, "sdpa_backend", fallback)
+    together = run(list(prompts))
+    for name in prompts:
+        assert [t for t, _ in together[name]] == [t for t, _ in alone[name]]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(together[name], alone[name])) <= 1e-5
+    assert (3, True) in calls  # three rows, each with its own keys, in one call
+    assert 1 not in fallbacks  # no decode step fell back to sdpa (prefill chunks do, by design)
+
+
 @pytest.mark.parametrize("style", ["e2b", "26b"])
 def test_a_float32_model_with_the_fusions_gives_its_logits(text_checkpoints, style, monkeypatch):
     """fuse_cpu_ops on a float32 model (not quantized): every text-decoder norm, rotation and backend

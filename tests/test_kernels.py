@@ -86,6 +86,14 @@ def samples(name: str) -> list[tuple]:
             q = torch.randn(2, 1, heads, dim, generator=gen).transpose(1, 2)  # (B, H, 1, D), a view
             ring = torch.randn(2, kv_heads, keys + 5, dim, generator=gen) * 3
             out.append((q, ring[:, :, 2 : 2 + keys], ring.flip(2)[:, :, 1 : 1 + keys], 0.125))
+        # The keys each row sees (a batch of rows with their own ranges), and a context long enough to
+        # be split into pieces of 1024 keys.
+        q = torch.randn(3, 4, 1, 64, generator=gen)
+        k, v = torch.randn(2, 3, 2, 2500, 64, generator=gen).unbind(0)
+        visible = torch.rand(3, 2500, generator=gen) < 0.8
+        visible[1, :] = False
+        visible[1, 7] = True  # one key alone
+        out += [(q, k, v, 0.125, visible), (q, k, v, 0.125)]
     return out
 
 
@@ -181,9 +189,10 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
         elif name == "decode_attention":
             # A polynomial exp and the kernel's own sum orders: both within float32 rounding of the
             # float64 softmax.
-            q, k, v, scale = args
+            q, k, v, scale, *visible = args
+            mask = visible[0][:, None, None, :] if visible else None
             exact = F.scaled_dot_product_attention(
-                q.double(), k.double(), v.double(), scale=scale, enable_gqa=True
+                q.double(), k.double(), v.double(), attn_mask=mask, scale=scale, enable_gqa=True
             ).transpose(1, 2)
             assert (ours.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
             assert (reference.double() - exact).abs().max() <= 2e-6 * exact.abs().max()

@@ -6,8 +6,9 @@ them are worth one call each (``torchgemma::rms_norm``, ``rope``, ``decode_atten
 * RMSNorm -> ``FusedRMSNorm``: a dozen operators fewer per norm (109 norms per token on Gemma 3
   270M); the reference norm's result to a float32 rounding, not its bits;
 * ``apply_rope`` -> ``fused_rope``: four operators fewer per rotation, the same bits;
-* sdpa attention of one new token over all its keys -> ``decode_attention``, one C++ call on
-  one thread per KV head (the exact softmax's result to a float32 rounding).
+* sdpa attention of one new token per row over its keys -> ``decode_attention``, one C++ call
+  (the exact softmax's result to a float32 rounding; long contexts split over the threads in
+  pieces of 1024 keys).
 
 ``fuse_cpu_ops(model)`` applies them in place. Quantized models on the CPU get them when quantized
 or loaded (``torchgemma.quantize``, ``load(..., quantize=...)``); any other model on request.
@@ -74,22 +75,25 @@ _ROPE = torch.ops.torchgemma.rope.default
 def sdpa_with_decode_kernel(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
 ) -> torch.Tensor:
-    """``sdpa_backend``, except one new token attending to every key it is given (a decode step
-    without a mask), which is one C++ call on float32 CPU tensors (``torchgemma::decode_attention``:
-    the exact softmax's result to a float32 rounding; one thread per KV head, where sdpa wakes its
-    thread pool for a few microseconds of work)."""
+    """``sdpa_backend``, except one new token per row attending to its keys (a decode step), which is
+    one C++ call on float32 CPU tensors (``torchgemma::decode_attention``: the exact softmax's result
+    to a float32 rounding; where sdpa wakes its thread pool for a few microseconds of work, or runs
+    row by row when the rows' key ranges differ). The keys a row sees are the mask's (True-to-attend)
+    or all of them; a row gets the same bits in a batch as alone (its visible keys, in order)."""
+    mask = inputs.mask
     if (
         query.shape[2] == 1
-        and inputs.mask is None
-        and inputs.rows is None
         and query.dtype is torch.float32
         and key.dtype is torch.float32
         and query.device.type == "cpu"
+        and (mask is None or (mask.dtype is torch.bool and mask.shape[1:3] == (1, 1)))
+        and (mask is not None or inputs.rows is None)
         and ensure_kernels()
     ):
         if inputs.key_slice is not None:
             key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
-        return _DECODE_ATTENTION(query, key, value, scale)
+        visible = None if mask is None else mask[:, 0, 0].expand(query.shape[0], key.shape[2])
+        return _DECODE_ATTENTION(query, key, value, scale, visible)
     return sdpa_backend(query, key, value, inputs, scale)
 
 

@@ -320,12 +320,13 @@ def _rope_reference(x, cos, sin) -> torch.Tensor:
     return (x * cos[:, :, None] + rotated * sin[:, :, None]).contiguous()
 
 
-def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
-    """softmax(scale * q k^T) v for one query per head over every key, q (B, H, 1, D) and k, v
-    (B, Hkv, S, D) -> (B, 1, H, D), float32: the C++'s steps (scores times scale, exp of each minus
-    the largest, the weighted values summed, then divided by the weights' sum), in torch's float32
-    operations; the C++ sums in its own order and takes exp from a polynomial good to ~1 ulp, so the
-    two differ by float32 rounding."""
+def _decode_attention_reference(q, k, v, scale: float, visible=None) -> torch.Tensor:
+    """softmax(scale * q k^T) v for one query per head over its keys, q (B, H, 1, D) and k, v
+    (B, Hkv, S, D) -> (B, 1, H, D), float32; ``visible`` (B, S) bool: the keys each row sees (None:
+    all). The C++'s steps (scores times scale, exp of each minus the largest, the weighted values
+    summed, then divided by the weights' sum), in torch's float32 operations; the C++ sums in its own
+    order, takes exp from a polynomial good to ~1 ulp and splits contexts longer than 1024 keys into
+    pieces combined at the end, so the two differ by float32 rounding."""
     if (
         q.dim() != 4
         or k.dim() != 4
@@ -345,6 +346,15 @@ def _decode_attention_reference(q, k, v, scale: float) -> torch.Tensor:
     kv_heads = k.shape[1]
     query = q.reshape(b, kv_heads, h // kv_heads, d)  # each KV head's group of query heads
     scores = query @ k.transpose(-1, -2) * scale  # (B, Hkv, G, S)
+    if visible is not None:
+        if visible.shape != (b, k.shape[2]):
+            raise ValueError(
+                f"decode_attention: visible must be (B, S) = {(b, k.shape[2])}, got {list(visible.shape)}"
+            )
+        seen = visible.bool()
+        if not bool(seen.any(-1).all()):
+            raise ValueError("decode_attention: a row sees no key (a softmax over none is 0 / 0)")
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
     out = (weights @ v) / weights.sum(-1, keepdim=True)  # (B, Hkv, G, D)
     return out.reshape(b, 1, h, d)
@@ -399,7 +409,7 @@ def _rope_fake(x, cos, sin):
     return x.new_empty(x.shape)  # contiguous, as the C++ returns it
 
 
-def _decode_attention_fake(q, k, v, scale):
+def _decode_attention_fake(q, k, v, scale, visible=None):
     return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
@@ -459,9 +469,9 @@ OPERATORS: tuple[Operator, ...] = (
     ),
     # RoPE in one call (float32), the bits of layers.apply_rope (fused_rope).
     Operator("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope_fake, _rope_reference),
-    # One new token's attention over all its keys, no mask (float32): a decode step's.
+    # One new token's attention over its keys (all, or those `visible` marks), float32: a decode step's.
     Operator(
-        "decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
+        "decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? visible=None) -> Tensor",
         _decode_attention_fake,
         _decode_attention_reference,
     ),

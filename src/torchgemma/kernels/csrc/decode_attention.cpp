@@ -43,9 +43,122 @@ inline __m256 hsum8(const __m256 (&a)[8]) {
 }
 #endif
 
+// Keys per piece of work. A long context is split into pieces of this many keys (the keys a row
+// sees, counted in order), each attended on its own (its own largest score, sum and weighted values)
+// and the pieces then combined in order: the threads share one row's keys, and the result depends
+// on the keys alone, not on the thread count. A row with at most this many keys is one piece, whose
+// arithmetic is the unsplit softmax's.
+constexpr int64_t kPiece = 1024;
+
+// One piece: the G query heads of one KV head against `count` keys (key i at keys + at(i) * kstride,
+// values likewise). Writes each head's largest score (top), sum of exponentials (sum) and the values
+// weighted by them, not yet divided (acc, G x D). `probs` is scratch of at least G * count floats.
+template <typename At>
+void attend_piece(const float* queries, const float* keys, int64_t kstride, const float* values, int64_t vstride,
+                  At at, int64_t count, int64_t G, int64_t D, float scale, float* probs, float* top_out,
+                  float* sum_out, float* acc) {
+  const int64_t S = count;
+  // Scores: every key read once for the group's heads.
+  int64_t j0 = 0;
+#ifdef TG_AVX2
+  if (G % 4 == 0 && D % 8 == 0) {
+    // Two keys x four heads at a time: eight independent chains, summed together at the end.
+    for (; j0 + 2 <= S; j0 += 2) {
+      const float* key0 = keys + at(j0) * kstride;
+      const float* key1 = keys + at(j0 + 1) * kstride;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 a0 = _mm256_loadu_ps(key0 + d), a1 = _mm256_loadu_ps(key1 + d);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 qv = _mm256_loadu_ps(queries + (g0 + i) * D + d);
+            a[i] = _mm256_fmadd_ps(qv, a0, a[i]);
+            a[4 + i] = _mm256_fmadd_ps(qv, a1, a[4 + i]);
+          }
+        }
+        alignas(32) float dots[8];
+        _mm256_store_ps(dots, hsum8(a));
+        for (int i = 0; i < 4; ++i) {
+          probs[(g0 + i) * S + j0] = dots[i] * scale;
+          probs[(g0 + i) * S + j0 + 1] = dots[4 + i] * scale;
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t j = j0; j < S; ++j) {
+    const float* key = keys + at(j) * kstride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* query = queries + g * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
+      probs[g * S + j] = dot * scale;
+    }
+  }
+  // Softmax of each head's scores (the division left for the end).
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = probs + g * S;
+    const float top = *std::max_element(p, p + S);
+    int64_t j = 0;
+    float sum = 0.f;
+#ifdef TG_AVX2
+    __m256 total = _mm256_setzero_ps();
+    for (; j + 8 <= S; j += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(p + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    sum = hsum(total);
+#endif
+    for (; j < S; ++j) {
+      p[j] = std::exp(p[j] - top);
+      sum += p[j];
+    }
+    top_out[g] = top;
+    sum_out[g] = sum;
+  }
+  // Weighted values: every value read once for the group's heads.
+  std::fill(acc, acc + G * D, 0.f);
+  int64_t d0 = 0;
+#ifdef TG_AVX2
+  if (G % 4 == 0) {
+    // Sixteen values of four heads held in registers across all keys.
+    for (; d0 + 16 <= D; d0 += 16) {
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        __m256 a[4][2];
+        for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < S; ++j) {
+          const float* value = values + at(j) * vstride + d0;
+          const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 w = _mm256_broadcast_ss(&probs[(g0 + i) * S + j]);
+            a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_ps(acc + (g0 + i) * D + d0, a[i][0]);
+          _mm256_storeu_ps(acc + (g0 + i) * D + d0 + 8, a[i][1]);
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t j = 0; j < S; ++j) {
+    const float* value = values + at(j) * vstride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = probs[g * S + j];
+      for (int64_t d = d0; d < D; ++d) acc[g * D + d] += w * value[d];
+    }
+  }
+}
+
 // q (B, H, 1, D), k and v (B, Hkv, S, D) (any strides but the last) -> (B, 1, H, D), float32.
+// `visible` (B, S) bool, optional: the keys each row sees (the others are skipped; every row must see
+// at least one). A row gets the bits it would get from its visible keys alone, in column order.
 at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                double scale_in) {
+                                double scale_in, const std::optional<at::Tensor>& visible_in) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
                   v_in.scalar_type() == at::kFloat,
               "decode_attention: float32 tensors expected");
@@ -58,118 +171,80 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
   const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2), D = q.size(3), G = H / Hkv;
+  // Each row's visible columns, in order (all of them without `visible`).
+  std::vector<std::vector<int64_t>> columns(B);
+  std::vector<int64_t> counts(B, S);
+  if (visible_in) {
+    const at::Tensor visible = visible_in->to(at::kBool).contiguous();
+    TORCH_CHECK(visible.dim() == 2 && visible.size(0) == B && visible.size(1) == S,
+                "decode_attention: visible must be (B, S) = (", B, ", ", S, "), got ", visible.sizes());
+    const bool* vp = visible.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < S; ++j)
+        if (vp[b * S + j]) columns[b].push_back(j);
+      counts[b] = static_cast<int64_t>(columns[b].size());
+      TORCH_CHECK(counts[b] > 0, "decode_attention: row ", b, " sees no key (a softmax over none is 0 / 0)");
+    }
+  }
+  // The pieces of work: (row, KV head, piece), in that order.
+  std::vector<int64_t> first_piece(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first_piece[b + 1] = first_piece[b] + (counts[b] + kPiece - 1) / kPiece;
+  const int64_t pieces = first_piece[B];  // per KV head
   const float scale = static_cast<float>(scale_in);
-  at::Tensor out = at::empty({B, 1, H, D}, q.options());
+  std::vector<float> tops(Hkv * pieces * G), sums(Hkv * pieces * G), accs(Hkv * pieces * G * D);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S);
-    for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / Hkv, kh = bk % Hkv;
+  at::parallel_for(0, Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(G * std::min(S, kPiece));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kh = task / pieces, piece = task % pieces;
+      const int64_t b = std::upper_bound(first_piece.begin(), first_piece.end(), piece) - first_piece.begin() - 1;
+      const int64_t lo = (piece - first_piece[b]) * kPiece, count = std::min(kPiece, counts[b] - lo);
       const float* keys = kp + b * k.stride(0) + kh * k.stride(1);
       const float* values = vp + b * v.stride(0) + kh * v.stride(1);
       const float* queries = qp + (b * H + kh * G) * D;  // the group's G query heads, one after another
-      float* outs = op + (b * H + kh * G) * D;
-      // Scores: every key read once for the group's heads.
-      int64_t j0 = 0;
-#ifdef TG_AVX2
-      if (G % 4 == 0 && D % 8 == 0) {
-        // Two keys x four heads at a time: eight independent chains, summed together at the end.
-        for (; j0 + 2 <= S; j0 += 2) {
-          const float* key0 = keys + j0 * k.stride(2);
-          const float* key1 = key0 + k.stride(2);
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            __m256 acc[8];
-            for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-              const __m256 a0 = _mm256_loadu_ps(key0 + d), a1 = _mm256_loadu_ps(key1 + d);
-              for (int i = 0; i < 4; ++i) {
-                const __m256 qv = _mm256_loadu_ps(queries + (g0 + i) * D + d);
-                acc[i] = _mm256_fmadd_ps(qv, a0, acc[i]);
-                acc[4 + i] = _mm256_fmadd_ps(qv, a1, acc[4 + i]);
-              }
-            }
-            alignas(32) float dots[8];
-            _mm256_store_ps(dots, hsum8(acc));
-            for (int i = 0; i < 4; ++i) {
-              probs[(g0 + i) * S + j0] = dots[i] * scale;
-              probs[(g0 + i) * S + j0 + 1] = dots[4 + i] * scale;
-            }
-          }
-        }
+      float* top = tops.data() + task * G;
+      float* sum = sums.data() + task * G;
+      float* acc = accs.data() + task * G * D;
+      if (visible_in) {
+        const int64_t* cols = columns[b].data() + lo;
+        attend_piece(queries, keys, k.stride(2), values, v.stride(2), [cols](int64_t j) { return cols[j]; }, count,
+                     G, D, scale, probs.data(), top, sum, acc);
+      } else {
+        attend_piece(queries, keys, k.stride(2), values, v.stride(2), [lo](int64_t j) { return lo + j; }, count, G,
+                     D, scale, probs.data(), top, sum, acc);
       }
-#endif
-      for (int64_t j = j0; j < S; ++j) {
-        const float* key = keys + j * k.stride(2);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* query = queries + g * D;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
-          probs[g * S + j] = dot * scale;
-        }
-      }
-      // Softmax of each head's scores (the division left for the end).
-      std::vector<float> sums(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* p = probs.data() + g * S;
-        const float top = *std::max_element(p, p + S);
-        int64_t j = 0;
-        float sum = 0.f;
-#ifdef TG_AVX2
-        __m256 total = _mm256_setzero_ps();
-        for (; j + 8 <= S; j += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top)));
-          _mm256_storeu_ps(p + j, e);
-          total = _mm256_add_ps(total, e);
-        }
-        sum = hsum(total);
-#endif
-        for (; j < S; ++j) {
-          p[j] = std::exp(p[j] - top);
-          sum += p[j];
-        }
-        sums[g] = sum;
-      }
-      // Outputs: every value read once for the group's heads.
-      std::fill(outs, outs + G * D, 0.f);
-      int64_t d0 = 0;
-#ifdef TG_AVX2
-      if (G % 4 == 0) {
-        // Sixteen values of four heads held in registers across all keys.
-        for (; d0 + 16 <= D; d0 += 16) {
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            __m256 acc[4][2];
-            for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < S; ++j) {
-              const float* value = values + j * v.stride(2) + d0;
-              const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
-              for (int i = 0; i < 4; ++i) {
-                const __m256 w = _mm256_broadcast_ss(&probs[(g0 + i) * S + j]);
-                acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
-              }
-            }
-            for (int i = 0; i < 4; ++i) {
-              _mm256_storeu_ps(outs + (g0 + i) * D + d0, acc[i][0]);
-              _mm256_storeu_ps(outs + (g0 + i) * D + d0 + 8, acc[i][1]);
-            }
-          }
-        }
-      }
-#endif
-      for (int64_t j = 0; j < S; ++j) {
-        const float* value = values + j * v.stride(2);
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = probs[g * S + j];
-          for (int64_t d = d0; d < D; ++d) outs[g * D + d] += w * value[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) outs[g * D + d] /= sums[g];
     }
   });
+  // Each (row, KV head): its pieces combined in order, then divided by the weights' sum.
+  at::Tensor out = at::empty({B, 1, H, D}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p0 = first_piece[b], p1 = first_piece[b + 1];
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        float* outs = op + (b * H + kh * G + g) * D;
+        const auto slot = [&](int64_t piece) { return (kh * pieces + piece) * G + g; };
+        if (p1 - p0 == 1) {  // one piece: the unsplit softmax's arithmetic
+          const float* acc = accs.data() + slot(p0) * D;
+          for (int64_t d = 0; d < D; ++d) outs[d] = acc[d] / sums[slot(p0)];
+          continue;
+        }
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t p = p0; p < p1; ++p) top = std::max(top, tops[slot(p)]);
+        float total = 0.f;
+        std::fill(outs, outs + D, 0.f);
+        for (int64_t p = p0; p < p1; ++p) {
+          const float factor = std::exp(tops[slot(p)] - top);
+          total += sums[slot(p)] * factor;
+          const float* acc = accs.data() + slot(p) * D;
+          for (int64_t d = 0; d < D; ++d) outs[d] += acc[d] * factor;
+        }
+        for (int64_t d = 0; d < D; ++d) outs[d] /= total;
+      }
+    }
+  }
   return out;
 }
 

@@ -114,8 +114,9 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return kernels().rope(x, cos, sin);
 }
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  return kernels().decode_attention(q, k, v, scale);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            const std::optional<at::Tensor>& visible) {
+  return kernels().decode_attention(q, k, v, scale, visible);
 }
 
 std::string error;  // the last failure's message (torchgemma_error)
