@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_generate import speeds, time_torchgemma, time_transformers  # noqa: E402
-from common import FULL, SLIDING, e2b_like_config  # noqa: E402
+from common import FULL, SLIDING, e2b_like_config, machine  # noqa: E402
 
 import torchgemma  # noqa: E402
 from torchgemma import Engine, SamplingParams  # noqa: E402
@@ -113,10 +113,10 @@ def build(folder: Path, fields: dict, device: str):
 
 
 def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Bytes of the distinct tensors on ``device`` (shared storage counted once)."""
+    """Bytes of the distinct tensors on ``device``'s kind (shared storage counted once)."""
     seen, total = set(), 0
     for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.device == device and tensor.data_ptr() not in seen:
+        if tensor.device.type == device.type and tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
     return total
@@ -171,7 +171,7 @@ def engine_decode(model, batch: int, prompt_len: int, args, slots: int | None = 
     engine = Engine(model, max_batch_size=slots or batch, max_len=max_len)
     gen = torch.Generator().manual_seed(batch)
     samples = []
-    for run in range(args.warmup + args.runs):
+    for run in range(args.warmup + args.engine_runs):
         for r in range(batch):
             ids = torch.randint(3, 262144 if not args.tiny else 512, (prompt_len,), generator=gen).tolist()
             engine.add_request(
@@ -197,6 +197,22 @@ def engine_decode(model, batch: int, prompt_len: int, args, slots: int | None = 
         if run >= args.warmup:
             samples.append(tokens / elapsed)
     return statistics.median(samples)
+
+
+def compiled_single_stream(model, prompt, eager: dict, row, args):
+    """Compile ``model`` (torchgemma.compile) and time its single stream; returns its compiled step,
+    carrying the result row as ``.row``."""
+    t = time.perf_counter()
+    step = torchgemma.compile(model).compiled_decode
+    compiled = single_stream(model, "ours", prompt, args)
+    same = (
+        "same tokens"
+        if torch.equal(compiled["tokens"], eager["tokens"])
+        else "tokens differ from eager (random weights: bf16 near-ties)"
+    )
+    note = f"{same}; compile+runs {time.perf_counter() - t:.0f} s"
+    step.row = row("torchgemma compiled", 1, compiled["prefill_tok_s"], compiled["decode_tok_s"], note)
+    return step
 
 
 def peak_tbps(args) -> float | None:
@@ -236,7 +252,7 @@ def bench_model(name: str, fields: dict, args, deadline: float) -> list[dict]:
 
     def row(impl: str, batch: int, prefill, decode: float, extra: str = "") -> dict:
         step_bytes = weights + batch * kv_bytes(fields, context)
-        return dict(
+        result = dict(
             model=name,
             impl=impl,
             batch=batch,
@@ -246,45 +262,49 @@ def bench_model(name: str, fields: dict, args, deadline: float) -> list[dict]:
             bandwidth=fraction(step_bytes, decode, batch, peak),
             note=extra,
         )
+        print(f"  {json.dumps(result)}", file=sys.stderr, flush=True)  # in case the run is cut short
+        return result
 
     eager = single_stream(ours, "ours", prompt, args)
     rows.append(row("torchgemma eager", 1, eager["prefill_tok_s"], eager["decode_tok_s"]))
     theirs = single_stream(ref, "ref", prompt, args)
-    same = "same tokens" if torch.equal(theirs["tokens"], eager["tokens"]) else "tokens differ from eager"
+    same = (
+        "same tokens"
+        if torch.equal(theirs["tokens"], eager["tokens"])
+        else "tokens differ from eager (random weights: bf16 near-ties)"
+    )
     rows.append(row("transformers sdpa", 1, theirs["prefill_tok_s"], theirs["decode_tok_s"], same))
     del ref
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    # The compiled single stream first (it matters most), then the engine: eager (the model's
-    # compiled step set aside) and compiled, batch by batch, while the budget lasts.
+    # Models in --compile-first: the compiled single stream next (their main figure), then the
+    # engine eager (the compiled step set aside) and compiled; the others compile last, if the
+    # budget leaves a minute for it.
     compiled_step = None
-    if args.compile and left() > 30:
-        t = time.perf_counter()
-        compiled_step = torchgemma.compile(ours).compiled_decode
-        compiled = single_stream(ours, "ours", prompt, args)
-        same = (
-            "same tokens" if torch.equal(compiled["tokens"], eager["tokens"]) else "tokens differ from eager"
-        )
-        note = f"{same}; compile+runs {time.perf_counter() - t:.0f} s"
-        rows.append(row("torchgemma compiled", 1, compiled["prefill_tok_s"], compiled["decode_tok_s"], note))
-    elif args.compile:
-        print(f"{name}: compiled runs skipped (time budget)", file=sys.stderr)
-    slots = max(args.batches)
+    if args.compile and name.split("-")[0].lower() in args.compile_first:
+        compiled_step = compiled_single_stream(ours, prompt, eager, row, args)
     for batch in args.batches:
         ours.compiled_decode = None
-        if left() < 15:
+        if left() < 10:
             print(f"{name}: engine batch {batch} skipped (time budget)", file=sys.stderr)
             continue
         rows.append(row("engine eager", batch, None, engine_decode(ours, batch, args.engine_prompt, args)))
-        ours.compiled_decode = compiled_step
-        if compiled_step is None:
-            continue
-        if left() < 30:
-            print(f"{name}: compiled engine batch {batch} skipped (time budget)", file=sys.stderr)
-            continue
-        tok_s = engine_decode(ours, batch, args.engine_prompt, args, slots=slots)
-        rows.append(row("engine compiled", batch, None, tok_s, f"{slots}-slot graph, {batch} used"))
+    ours.compiled_decode = compiled_step
+    if args.compile and compiled_step is None:
+        if left() > 60:
+            compiled_step = compiled_single_stream(ours, prompt, eager, row, args)
+        else:
+            print(f"{name}: compiled runs skipped (time budget)", file=sys.stderr)
+    if compiled_step is not None:
+        rows.append(compiled_step.row)
+        slots = max(args.batches)
+        for batch in args.batches:
+            if left() < 30:
+                print(f"{name}: compiled engine batch {batch} skipped (time budget)", file=sys.stderr)
+                continue
+            tok_s = engine_decode(ours, batch, args.engine_prompt, args, slots=slots)
+            rows.append(row("engine compiled", batch, None, tok_s, f"{slots}-slot graph, {batch} used"))
     del ours
     gc.collect()
     if args.device.startswith("cuda"):
@@ -318,8 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--engine-runs", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument(
+        "--compile-first",
+        nargs="*",
+        default=["e2b"],
+        help="models compiled right after their single streams (the others last, budget permitting)",
+    )
     parser.add_argument("--peak-tbps", type=float, default=None, help="the device's peak bandwidth, TB/s")
     parser.add_argument("--budget-s", type=float, default=200.0)
     args = parser.parse_args(argv)
@@ -338,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         share = (args.budget_s - (time.perf_counter() - started)) / (len(args.models) - i)
         rows += bench_model(name, fields, args, time.perf_counter() + share)
     print(table(rows))
-    print(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - started, 1)}))
+    info = {**machine(), "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    print(json.dumps({"machine": info, "rows": rows, "seconds": round(time.perf_counter() - started, 1)}))
     return 0
 
 
