@@ -12,9 +12,10 @@ E2B-like with 10 layers (the 4:1 pattern, the last 4 KV-shared, 262144-token voc
 31B-like with 6 layers (5 sliding + 1 full K=V layer, the 31B's real layer widths). transformers
 builds each with random weights on the device, saves it, and torchgemma loads that folder.
 
-Single stream: ``stream`` / transformers' ``generate`` with a streamer, greedy, no stop token; prefill
-tok/s = prompt tokens / time to the first token, decode tok/s = (new tokens - 1) / time from the first
-to the last (benchmarks/bench_generate.py's timers). Engine: B requests of the same prompt length;
+Single stream: a one-slot ``Engine`` kept across runs (what ``stream`` runs, without a new cache per
+call) / transformers' ``generate`` with a streamer, greedy, no stop token; prefill tok/s = prompt
+tokens / time to the first token, decode tok/s = (new tokens - 1) / time from the first to the last
+(benchmarks/bench_generate.py's measure). Engine: B requests of the same prompt length;
 decode tok/s counts the tokens of the steps in which all B decode, over those steps' time. Medians of
 ``--runs`` runs after ``--warmup`` runs (the compiled model's first run compiles). Every timer ends in
 a host read of the token (the stream's) or a ``torch.cuda.synchronize``.
@@ -46,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_generate import speeds, time_torchgemma, time_transformers  # noqa: E402
+from bench_generate import speeds, time_transformers  # noqa: E402
 from common import FULL, SLIDING, e2b_like_config, machine  # noqa: E402
 
 import torchgemma  # noqa: E402
@@ -146,8 +147,31 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_engine(engine: Engine, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
+    """``time_torchgemma``'s stamps, through one engine kept across runs (``stream`` makes an engine,
+    and so a cache, per call: a CUDA-graph step would be recorded again for the new cache's
+    addresses at every call, which is not the steady state measured here)."""
+    start = time.perf_counter()
+    stamps, tokens = [], []
+    greedy = SamplingParams(temperature=0)
+    engine.add_request("s", prompt[0].tolist(), max_new_tokens=new_tokens, sampling=greedy, stop_token_ids=[])
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            stamps.append(time.perf_counter() - start)
+            tokens.append(output.token_id)
+    return stamps, torch.tensor([tokens])
+
+
 def single_stream(model, kind: str, prompt: torch.Tensor, args) -> dict:
-    timer = time_torchgemma if kind == "ours" else time_transformers
+    """torchgemma through a one-slot engine (what ``stream`` runs), transformers through its
+    ``generate`` with a streamer (bench_generate.py's timer)."""
+    if kind == "ours":
+        engine = Engine(model, max_batch_size=1, max_len=prompt.shape[1] + args.new_tokens)
+
+        def timer(_, prompt, new):
+            return time_engine(engine, prompt, new)
+    else:
+        timer = time_transformers
     runs, tokens = [], None
     for run in range(args.warmup + args.runs):
         sync(args.device)
