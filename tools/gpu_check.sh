@@ -10,7 +10,7 @@
 #   1. the machine: nvidia-smi, torch / CUDA / transformers versions                (~5 s, <= 30)
 #   2. the wheels into /tmp/site (no index, no deps), PYTHONPATH=src:/tmp/site      (~10 s, <= 60)
 #   3. every `gpu` test: test_gpu.py, test_quantization.py, test_compile.py    (~150 s?, <= 240)
-#   4. benchmarks/bench_gpu.py (its own budget 130 s, build and compile included)  (~150 s, <= 190)
+#   4. benchmarks/bench_gpu.py (its own budget 170 s, build and compile included)  (~190 s, <= 220)
 #   5. with GPU_CHECK_CPU_TESTS=1 only: the CPU logits parity tests with CUDA visible      (<= 90 s)
 # The C++ CPU kernels built here do not load on that machine's torch: TORCHGEMMA_ISA=reference makes
 # every CPU operator run its pure-PyTorch reference without trying to load or build them.
@@ -85,7 +85,7 @@ TIMEOUT=()
 phase "gpu tests" 240 "$PY" -m pytest -o addopts='' -m gpu -p no:cacheprovider -q -s -rfEs \
     ${TIMEOUT[@]+"${TIMEOUT[@]}"} tests/test_gpu.py tests/test_quantization.py tests/test_compile.py
 
-phase "benchmark" 190 "$PY" benchmarks/bench_gpu.py --budget-s 130
+phase "benchmark" 220 "$PY" benchmarks/bench_gpu.py --budget-s 170
 
 if [ "${GPU_CHECK_CPU_TESTS:-0}" = 1 ]; then
     phase "cpu parity tests (CUDA visible)" 90 "$PY" -m pytest -o addopts='' -m 'not slow and not gpu' \
