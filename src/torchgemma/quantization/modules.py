@@ -364,12 +364,16 @@ def quantize_rtn(
             torch.empty(n, k // g, dtype=sdtype, device=device) if fmt.has_mins else None,
         )
     qweight, scales, mins = out
+    # Divisors as tensors on the weight's device: CUDA divides by a Python number as a multiply by its
+    # reciprocal, which rounds differently (a model quantized on the GPU would differ from the CPU's).
+    levels_t = torch.full((), float(levels), device=scales.device)
+    max_int = torch.full((), 127.0, device=scales.device)
     for start in range(0, n, 4096):
         rows = slice(start, start + 4096)
         w = weight[rows].to(device=scales.device, dtype=torch.float32).view(-1, k // g, g)
         if fmt.has_mins:
             lo, hi = w.amin(-1), w.amax(-1)
-            scale = ((hi - lo) / levels).to(sdtype).float()
+            scale = ((hi - lo) / levels_t).to(sdtype).float()
             lo = lo.to(sdtype).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, levels)
@@ -378,7 +382,7 @@ def quantize_rtn(
                 lo = lo + 128 * scale
             mins[rows] = lo
         else:
-            scale = (w.abs().amax(-1) / 127).to(sdtype).float()
+            scale = (w.abs().amax(-1) / max_int).to(sdtype).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.round(w / safe[..., None]).clamp_(-127, 127)
         qweight[rows] = pack(q.view(-1, k), fmt.bits)
