@@ -146,6 +146,30 @@ def test_tool_call_grammar_is_gemmas_syntax_over_the_declared_schemas(llm):
     assert feed(grammar, [], stop) == (True, False)
 
 
+def test_tool_call_grammar_with_a_thought_first_or_optional_calls(llm):
+    """thinking: a thought may come before the call (not after it); optional (auto with
+    parallel_tool_calls false): text, a call, or text then a call, never two calls."""
+    tokenizer, stop = llm.tokenizer, llm.tokenizer.turn_end_id
+    q = '<|"|>'
+    add = f"<|tool_call>call:add{{a:false,b:{q}x{q}}}<tool_call|>"
+    thought = "<|channel>thought\nThe user wants a sum.<channel|>"
+    thinking = Grammar.tool_calls(tokenizer, TOOLS, thinking=True)
+    optional = Grammar.tool_calls(tokenizer, TOOLS, parallel=False, optional=True)
+    for grammar, text, ok in (
+        (thinking, thought + add, True),
+        (thinking, add, True),
+        (thinking, add + thought, False),
+        (thinking, thought, False),
+        (optional, "Hello there.", True),
+        (optional, "Let me add. " + add, True),
+        (optional, add, True),
+        (optional, add + add, False),
+        (optional, add + "Done.", False),
+    ):
+        allowed, may_stop = feed(grammar, tokenizer.encode(text, add_special_tokens=False), stop)
+        assert (allowed and may_stop) == ok, text
+
+
 def test_engine_follows_a_token_constraint_greedy_and_sampled(gen_checkpoints):
     """Any object with allowed_mask/advance is a constraint: one allowing a fixed sequence forces
     exactly that output, greedy or sampled, and the stop token only once it is allowed."""
@@ -255,6 +279,10 @@ def test_llm_chat_response_format_and_tool_choice(llm):
         assert reply.finish_reason == "stop"
         schema = Person.model_json_schema() if response_format is Person else PERSON
         jsonschema.validate(json.loads(reply.text), schema)
+    # A temperature that flattens the distribution over the whole vocabulary: still the schema.
+    reply = llm.chat(messages, response_format=Person, temperature=50.0, seed=2, max_new_tokens=400)
+    assert reply.finish_reason == "stop"
+    Person.model_validate_json(reply.text)
     reply = llm.chat(messages, response_format={"type": "json_object"}, temperature=0, max_new_tokens=40)
     assert reply.text.startswith("{")
     for choice, parallel, names in (
@@ -291,7 +319,8 @@ def client(llm):
 
 def ask(client, **kwargs):
     kwargs.setdefault("messages", [{"role": "user", "content": "Who is it?"}])
-    return client.chat.completions.create(model="tiny", max_tokens=300, **kwargs)
+    kwargs.setdefault("max_tokens", 300)
+    return client.chat.completions.create(model="tiny", **kwargs)
 
 
 def test_server_json_schema_strict_and_not_and_parse(client):
@@ -342,6 +371,12 @@ def test_server_forced_tool_calls(client):
         for call in message.tool_calls:
             assert call.function.name in names
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    # auto with parallel_tool_calls false: text and at most one call.
+    for seed in range(3):
+        response = ask(
+            client, tools=TOOLS, parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=60
+        )
+        assert len(response.choices[0].message.tool_calls or ()) <= 1
     streamed = [
         chunk.choices[0].delta
         for chunk in client.chat.completions.create(

@@ -351,7 +351,8 @@ def grammar_for_response_format(tokenizer, response_format: Mapping[str, Any] | 
         return response_format
     schema_of = getattr(response_format, "model_json_schema", None)
     if isinstance(response_format, type) and schema_of is not None:  # a pydantic model class
-        return Grammar.json_schema(tokenizer, schema_of())
+        # Its fields only, as OpenAI's SDK makes a model's schema strict for parse().
+        return Grammar.json_schema(tokenizer, _closed(schema_of()))
     if isinstance(response_format, str):
         response_format = {"type": response_format}
     if not isinstance(response_format, Mapping):
@@ -376,6 +377,19 @@ def grammar_for_response_format(tokenizer, response_format: Mapping[str, Any] | 
         schema = spec.get("schema") or {}
         return Grammar.json_schema(tokenizer, schema, strict=bool(spec.get("strict", False)))
     raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its properties
+    and does not say."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class ConstraintError(ValueError):
