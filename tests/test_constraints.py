@@ -106,6 +106,36 @@ def json_valid(text: str) -> bool:
     return True
 
 
+def test_greedy_reads_the_mask_bits_only_when_they_decide(llm):
+    """Greedy, a constraint takes the unconstrained argmax when its mask bits allow it, and else the
+    argmax over the allowed tokens: the same tokens as masking the whole vocabulary every step,
+    stop ids and ids sharing their bytes with others included."""
+    from torchgemma.generation.constraints import constrained_token
+
+    tokenizer, stop = llm.tokenizer, llm.tokenizer.turn_end_id
+    grammar = Grammar.json_schema(tokenizer, PERSON)
+    fast, full = grammar.start([stop]), grammar.start([stop])
+    generator = torch.Generator().manual_seed(0)
+    valid = tokenizer.encode(
+        '{"name": "Bo", "age": 7, "member": false, "color": "blue"}', add_special_tokens=False
+    )
+    vocab = tokenizer.vocab_size
+    for step in range(400):
+        logits = torch.randn(1, vocab, generator=generator)
+        if step % 2 == 0 and step < len(valid):  # the model follows the format half the time
+            logits[0, valid[step]] = 50.0
+        if step >= len(valid):
+            logits[0, stop] = 40.0
+        expected = int(torch.where(full.allowed_mask(vocab), logits, float("-inf"))[0].argmax())
+        full.advance(expected)
+        fast.fill()
+        token, _ = constrained_token(fast, logits, GREEDY, None, None)
+        assert token == expected, step
+        if token == stop:
+            break
+    assert token == stop
+
+
 def test_tool_call_grammar_is_gemmas_syntax_over_the_declared_schemas(llm):
     """Well-formed calls of declared tools with schema-valid arguments are accepted token by token
     and parse back to those arguments; an undeclared tool, a value outside an enum, a missing
@@ -259,6 +289,28 @@ def test_mixed_batch_unconstrained_rows_equal_their_solo_runs(llm):
     for name in ("a", "b"):
         assert tokens[name][-1] == stop
         jsonschema.validate(json.loads(tokenizer.decode(tokens[name][:-1])), PERSON)
+
+
+def test_generate_and_llm_generate_take_a_constraint(llm):
+    """torchgemma.generate: every row of a batch follows the grammar with its own state; with no
+    stop ids a row ends with the tokenizer's eos once its grammar is complete. LLM.generate takes
+    response_format."""
+    tokenizer = llm.tokenizer
+    grammar = Grammar.json_schema(tokenizer, PERSON)
+    prompts = [tokenizer.encode("One:"), tokenizer.encode("And another one:")]
+    sampling = SamplingParams(temperature=1.0, seed=9)
+    rows = torchgemma.generate(
+        llm.model, prompts, max_new_tokens=300, sampling=sampling, stop_token_ids=[], constraint=grammar
+    )
+    eos = tokenizer.named_id("eos_token")
+    for prompt, row in zip(prompts, rows):
+        reply = row[len(prompt) :]
+        end = reply.index(eos)  # (a batch's finished rows are padded after it)
+        jsonschema.validate(json.loads(tokenizer.decode(reply[:end])), PERSON)
+    text = llm.generate("A person:", response_format=Person, temperature=1.0, seed=4, max_new_tokens=300)
+    Person.model_validate_json(text)
+    with pytest.raises(TypeError, match="Grammar"):
+        torchgemma.generate(llm.model, prompts, max_new_tokens=4, constraint=grammar.start())
 
 
 class Person(pydantic.BaseModel):

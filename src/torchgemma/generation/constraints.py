@@ -26,6 +26,7 @@ allowed unless the grammar names them (Lark's ``<[id]>``: the tool-call markers 
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ..replies.tool_grammar import tool_call_lark
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 NEG_INF = float("-inf")
 # Longest run of whitespace allowed between JSON tokens: a model must not pad a reply forever.
@@ -110,6 +111,10 @@ class Vocabulary:
     eos_ids: list[int]  # what llguidance allows where a reply may end
     duplicate_ids: torch.Tensor  # (M,) ids whose bytes another id has too
     duplicate_groups: torch.Tensor  # (M,) the group (one byte string) of each
+
+    @functools.cached_property
+    def duplicate_set(self) -> frozenset[int]:
+        return frozenset(self.duplicate_ids.tolist())
 
     def share(self, allowed: torch.Tensor) -> None:
         """Allow, in place, every id of a byte string of which one id is allowed."""
@@ -264,6 +269,21 @@ class GrammarConstraint:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         self._filled = True
 
+    def allows(self, token_id: int) -> bool | None:
+        """Whether the mask computed for this step allows ``token_id``, read from its bits; None
+        when the bits alone cannot say (an id sharing its bytes with others)."""
+        if not self._filled or self.matcher.is_error():
+            return None
+        vocabulary = self.grammar.vocabulary
+        if token_id in vocabulary.duplicate_set or token_id >= vocabulary.lltokenizer.vocab_size:
+            return None
+        words = self.bitmask[0]
+        if token_id in self.end_ids:
+            return any((int(words[e >> 5]) >> (e & 31)) & 1 for e in vocabulary.eos_ids)
+        if token_id in vocabulary.eos_ids:
+            return False
+        return bool((int(words[token_id >> 5]) >> (token_id & 31)) & 1)
+
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         if self.matcher.is_error():
             raise ValueError(f"the constraint failed: {self.matcher.get_error()}")
@@ -286,6 +306,7 @@ class GrammarConstraint:
         return torch.cat((allowed, allowed.new_zeros(vocab_size - allowed.numel())))
 
     def advance(self, token_id: int) -> None:
+        self._filled = False  # the next step needs its own mask
         if token_id in self.end_ids:
             self.ended = True
             return
@@ -334,7 +355,18 @@ def constrained_token(
 
     The refused tokens' logits become -inf before every other filter (logit bias, penalty,
     temperature, top-k/p, min-p), so the filters work on the allowed tokens; the allowed logits
-    are untouched."""
+    are untouched. Greedy, the unconstrained choice is taken when the mask's bits allow it: the
+    argmax over the allowed tokens is then that token (bias and penalty change each logit on its
+    own), without unpacking the mask over the vocabulary (the usual case of a model that follows
+    the format)."""
+    allows = getattr(constraint, "allows", None)
+    if params.greedy and allows is not None:
+        scores = process_logits(logits, params, history)
+        check_scores(scores)
+        token = int(scores[0].argmax())
+        if allows(token):
+            constraint.advance(token)
+            return token, bool(getattr(constraint, "ended", False))
     allowed = constraint.allowed_mask(logits.shape[-1]).to(logits.device)
     if not bool(allowed.any()):
         raise ValueError("the constraint allows no token here (and no stop token ends the reply)")
