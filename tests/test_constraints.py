@@ -445,3 +445,35 @@ def test_server_forced_tool_calls(client):
     ]
     calls = [call for delta in streamed for call in delta.tool_calls or ()]
     assert len(calls) == 1 and calls[0].function.name in SCHEMAS
+
+
+# ── the real 262K vocabulary ─────────────────────────────────────────────────────────────────
+
+
+def test_real_270m_writes_schema_valid_json(real_270m):
+    """The real Gemma 3 270M and its 262,144-token vocabulary (llguidance reading the GGUF's
+    tokenizer): greedy, every row of a batch writes a document that validates; the same prompts
+    unconstrained write no JSON at first."""
+    model, tokenizer = real_270m
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "country", "population"],
+        "additionalProperties": False,
+    }
+    grammar = Grammar.json_schema(tokenizer, schema)
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "Tokyo is a city in")]
+    free = torchgemma.generate(model, prompts, max_new_tokens=1, sampling=GREEDY, stop_token_ids=[])
+    assert all(not tokenizer.decode(row[len(p) :]).lstrip().startswith("{") for p, row in zip(prompts, free))
+    stop = tokenizer.named_id("eos_token")
+    rows = torchgemma.generate(
+        model, prompts, max_new_tokens=80, sampling=GREEDY, stop_token_ids=[stop], constraint=grammar
+    )
+    for prompt, row in zip(prompts, rows):
+        reply = row[len(prompt) :]
+        assert reply[-1] == stop, tokenizer.decode(reply)
+        jsonschema.validate(json.loads(tokenizer.decode(reply[:-1])), schema)

@@ -40,9 +40,11 @@ from ..replies.tool_grammar import tool_call_lark
 from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 NEG_INF = float("-inf")
-# Longest run of whitespace allowed between JSON tokens: a model must not pad a reply forever.
-MAX_WHITESPACE = 16
-_JSON_OPTIONS = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}"}
+# Whitespace between JSON tokens: none, one space, or a line break and an indentation of at most
+# MAX_INDENT spaces or tabs (llama.cpp's json-schema-to-grammar rule): pretty-printed JSON fits,
+# while a model cannot pad a reply with runs of blanks (the 270M, greedy, did).
+MAX_INDENT = 20
+_JSON_OPTIONS = {"whitespace_pattern": f"(?:\\x20|\\x0A[\\x20\\x09]{{0,{MAX_INDENT}}})?"}
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
