@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import openai
@@ -96,6 +97,12 @@ def test_json_schema_mask_allows_valid_text_and_stop_only_at_the_end(llm):
         assert not allowed or not json_valid(invalid), invalid
     with pytest.raises(ValueError, match="cannot be enforced|JSON schema"):
         Grammar.json_schema(tokenizer, {"type": "object", "properties": {"a": {"type": "no-such-type"}}})
+
+
+def test_without_llguidance_the_error_says_what_to_install(llm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"needs llguidance: pip install 'torchgemma\[constraints\]'"):
+        Grammar.json_object(llm.tokenizer)
 
 
 def json_valid(text: str) -> bool:

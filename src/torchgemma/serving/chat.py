@@ -108,6 +108,8 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
         )
     except ConstraintError as error:
         raise bad_request(str(error), error.field) from error
+    except ImportError as error:  # the server was installed without its constraints extra
+        raise bad_request(str(error), "response_format" if response_format else "tool_choice") from error
     messages, images, audio = template_messages(body.messages, MediaBudget(state.limits))
     processor = state.llm.processor
     try:
