@@ -365,6 +365,10 @@ def test_llm_chat_response_format_and_tool_choice(llm):
             jsonschema.validate(call.arguments, SCHEMAS[call.name])
     with pytest.raises(ValueError, match="response_format"):
         llm.chat(messages, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(ValueError, match="needs tools"):
+        llm.chat(messages, tool_choice="required")
+    with pytest.raises(ValueError, match="no tool named 'remove'"):
+        llm.chat(messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "remove"}})
 
 
 # ── the server, through the official client ──────────────────────────────────────────────────

@@ -462,6 +462,8 @@ def chat_grammar(
             f"tool_choice must be auto, none, required or a function, got {choice!r}", "tool_choice"
         )
     forced = choice == "required" or name is not None
+    if forced and not tools:
+        raise ConstraintError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
     try:
         grammar = grammar_for_response_format(tokenizer, response_format)
     except ValueError as error:
