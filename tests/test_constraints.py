@@ -409,12 +409,16 @@ def test_server_json_schema_strict_and_not_and_parse(client):
         )
         assert response.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(response.choices[0].message.content), PERSON)
-    with pytest.raises(openai.BadRequestError) as error:
-        ask(
-            client,
-            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": 3}}},
-        )
-    assert error.value.body["param"] == "response_format"
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": 3}}}
+    for fields, param in (
+        (dict(response_format=bad_schema), "response_format"),
+        # The deprecated function-calling fields are refused, not dropped.
+        (dict(extra_body={"functions": [WEATHER]}), "functions"),
+        (dict(extra_body={"function_call": {"name": "get_weather"}}, tools=TOOLS), "function_call"),
+    ):
+        with pytest.raises(openai.BadRequestError) as error:
+            ask(client, **fields)
+        assert error.value.body["param"] == param
 
 
 def test_server_forced_tool_calls(client):

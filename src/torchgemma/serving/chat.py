@@ -147,6 +147,10 @@ def _plain(choice):
 def declared_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The tools the template declares (None when tool_choice is "none"), checked: names the
     template can write, a named tool_choice among them."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if (body.model_extra or {}).get(legacy) is not None:
+            # Dropping them would answer without the tools the client offered.
+            raise bad_request(f"{legacy} (deprecated by OpenAI) is not supported: use {current}", legacy)
     choice = body.tool_choice or ("auto" if body.tools else "none")
     tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
     for tool in tools:
