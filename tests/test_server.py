@@ -27,7 +27,7 @@ import pytest
 from PIL import Image
 
 from serving_fixtures import ScriptedEngine, content_of, running_server
-from torchgemma.generation.constraints import JSONPrefix
+from torchgemma import Grammar
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
 from torchgemma.serving.audio import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS
@@ -185,9 +185,10 @@ def test_stop_strings_cut_without_leaking(client):
     assert not any(stop in piece for piece in pieces)
 
 
-def test_json_object_replies_are_json(client):
+def test_json_object_replies_are_json(client, llm):
     """response_format json_object: every token keeps the reply a JSON object; even a tiny random
     model, which writes no JSON on its own, answers with one."""
+    client_tokenizer = llm.tokenizer
     free = client.chat.completions.create(
         model=MODEL, messages=user(PROMPTS[4]), temperature=0, max_tokens=30
     )
@@ -201,8 +202,12 @@ def test_json_object_replies_are_json(client):
             **sampling,
         )
         content = response.choices[0].message.content
-        prefix = JSONPrefix()
-        assert prefix.feed_all(content.encode()), content
+        # Every token of it follows the JSON grammar (fed anew, tokenized afresh).
+        ids = client_tokenizer.encode(content, add_special_tokens=False)
+        follows = Grammar.json_object(client_tokenizer).start()
+        for token in ids:
+            assert follows.allowed_mask(client_tokenizer.vocab_size)[token], content
+            follows.advance(token)
         if response.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(content), dict)
         else:  # cut at max_tokens: still a valid prefix of an object
@@ -435,11 +440,11 @@ def test_tools_and_thinking_reach_the_template(scripted, llm):
 
     client.chat.completions.create(model=MODEL, messages=user("Hi"), tools=[WEATHER], tool_choice="none")
     assert "<|tool>" not in llm.tokenizer.decode(engine.prompts[-1])
+    # A forced call is the constraint's to write (test_constraints.py), not a prompt prefix's.
     client.chat.completions.create(model=MODEL, messages=user("Hi"), tools=[WEATHER], tool_choice="required")
-    assert llm.tokenizer.decode(engine.prompts[-1]).endswith("<|tool_call>call:")
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    client.chat.completions.create(model=MODEL, messages=user("Hi"), tools=[WEATHER], tool_choice=named)
-    assert llm.tokenizer.decode(engine.prompts[-1]).endswith("<|tool_call>call:get_weather{")
+    assert llm.tokenizer.decode(engine.prompts[-1]).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    assert isinstance(engine.arguments[-1]["constraint"], Grammar)
+    assert "constraint" not in engine.arguments[-2] and "constraint" not in engine.arguments[-3]  # none, auto
 
     client.chat.completions.create(
         model=MODEL, messages=user("Hi"), extra_body={"chat_template_kwargs": {"enable_thinking": True}}
@@ -466,15 +471,17 @@ def test_a_failure_mid_stream_is_an_error_event(scripted, server):
 
 
 def test_forced_tool_call_is_parsed(scripted):
-    """tool_choice names a function: the reply continues the forced `call:NAME{` prefix."""
+    """tool_choice names a function: the engine gets the grammar of that call, and the call it
+    writes comes back parsed."""
     client, engine = scripted
-    engine.replies.append('city:<|"|>Rome<|"|>}<tool_call|>')
+    engine.replies.append('<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>')
     named = {"type": "function", "function": {"name": "get_weather"}}
     response = client.chat.completions.create(
         model=MODEL, messages=user("Rome?"), tools=[WEATHER], tool_choice=named
     )
     (call,) = response.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    assert isinstance(engine.arguments[-1]["constraint"], Grammar)
     assert response.choices[0].finish_reason == "tool_calls"
 
 

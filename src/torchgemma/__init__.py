@@ -5,7 +5,7 @@ import importlib
 from .acceleration import compile, fuse_cpu_ops
 from .cache import KVCache
 from .config import ConfigError, LayerSpec, ModelConfig, TextConfig
-from .generation import Engine, SamplingParams, StepOutput, generate, stream
+from .generation import Engine, Grammar, SamplingParams, StepOutput, generate, stream
 from .model import Gemma
 from .model.inputs import MediaInputs
 from .quantization import quantize
@@ -46,6 +46,7 @@ __all__ = [
     "ConfigError",
     "Engine",
     "Gemma",
+    "Grammar",
     "KVCache",
     "LLM",
     "LayerSpec",

@@ -19,6 +19,9 @@ Sampling: ``sampling=SamplingParams(...)``, or its settings by name (``temperatu
 checkpoint's ``generation_config.json`` defaults (Gemma 4: sampling at temperature 1 with top-k 64
 and top-p 0.95). Pass ``temperature=0`` for greedy decoding. ``stop_token_ids`` replaces the
 checkpoint's stop tokens (``[]``: never stop).
+
+Constrained output (``generation/constraints.py``): ``response_format=`` (OpenAI's dict, a pydantic
+model class or a ``Grammar``) everywhere; ``tool_choice=``, ``parallel_tool_calls=`` in chats.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Any, Literal
 import torch
 
 from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows, embed_texts
-from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, SamplingParams, stream
+from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, Grammar, SamplingParams, stream
+from .generation.constraints import chat_grammar, grammar_for_response_format
 from .generation.prefix_cache import prefix_cache_of
 from .model.inputs import MediaInputs
 from .processing.processor import ProcessedPrompt, Processor
@@ -334,7 +338,10 @@ class LLM:
         Control tokens typed in the messages stay text unless ``sanitize_control_tokens=False``
         (see ``chat_ids``).
         """
-        run = self._settings(sampling, settings, max_new_tokens, stats, chat=True)
+        # A response format starts at the first token: no thought before it.
+        enable_thinking = enable_thinking and settings.get("response_format") is None
+        context = {"tools": tools, "thinking": enable_thinking}
+        run = self._settings(sampling, settings, max_new_tokens, stats, chat=context)
         request = self.processor.chat(
             messages,
             enable_thinking=enable_thinking,
@@ -370,7 +377,10 @@ class LLM:
         The answer pieces join to ``chat(...).text``, the thinking pieces to ``.thinking`` and the
         tool calls are ``.tool_calls``.
         """
-        run = self._settings(sampling, settings, max_new_tokens, stats, chat=True)
+        # A response format starts at the first token: no thought before it.
+        enable_thinking = enable_thinking and settings.get("response_format") is None
+        context = {"tools": tools, "thinking": enable_thinking}
+        run = self._settings(sampling, settings, max_new_tokens, stats, chat=context)
         request = self.processor.chat(
             messages,
             enable_thinking=enable_thinking,
@@ -435,12 +445,13 @@ class LLM:
         max_new_tokens: int | None,
         stats: GenerationStats | None,
         *,
-        chat: bool = False,
+        chat: Mapping[str, Any] | bool = False,
     ) -> _Run:
         """One call's generation settings: the sampling settings given by name folded into one
         ``SamplingParams`` (the checkpoint's defaults for the rest), unless ``sampling`` is given."""
         settings = dict(settings)
         stops = settings.pop("stop_token_ids", None)
+        grammar = self._grammar(settings, chat)
         unknown = sorted(set(settings) - set(SAMPLING_SETTINGS))
         if unknown:
             raise TypeError(f"unknown generation settings: {', '.join(unknown)}")
@@ -456,7 +467,24 @@ class LLM:
                 stops = (*stops, turn_end)
         if max_new_tokens is None:
             max_new_tokens = self.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        return _Run(sampling, tuple(stops), max_new_tokens, stats)
+        return _Run(sampling, tuple(stops), max_new_tokens, stats, grammar)
+
+    def _grammar(self, settings: dict[str, Any], chat: Mapping[str, Any] | bool) -> Grammar | None:
+        """The call's constraint (``chat_grammar``; ``chat`` holds a chat's tools), popped from ``settings``."""
+        response_format = settings.pop("response_format", None)
+        if not chat:
+            return grammar_for_response_format(self.tokenizer, response_format)
+        choice = settings.pop("tool_choice", None)
+        parallel = settings.pop("parallel_tool_calls", None)
+        context = chat if isinstance(chat, Mapping) else {}
+        return chat_grammar(
+            self.tokenizer,
+            response_format=response_format,
+            tools=context.get("tools"),
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            thinking=bool(context.get("thinking")),
+        )
 
     def _turn_end_id(self) -> int | None:
         try:
@@ -484,6 +512,7 @@ class LLM:
             generation_config=self.generation_config,
             stats=run.stats,
             prefix_cache=self.prefix_cache,
+            constraint=run.grammar,
         )
 
     def _tokens(self, request: ProcessedPrompt, run: _Run, *, keep_stop: bool = False) -> Iterator[int]:
@@ -544,6 +573,7 @@ class _Run:
     stops: tuple[int, ...]
     max_new_tokens: int
     stats: GenerationStats | None
+    grammar: Grammar | None = None
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Generation: sampling as pure functions; the engine; prefill, decode step, streaming iterator, ``generate``."""
 
 from .config import GenerationConfig
+from .constraints import Grammar
 from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, NonFiniteLogits, StepOutput, TokenLogprobs
 from .generate import GenerationStats, decode_step, generate, prefill, stream
 from .sampling import (
@@ -21,6 +22,7 @@ __all__ = [
     "Engine",
     "GenerationConfig",
     "GenerationStats",
+    "Grammar",
     "NonFiniteLogits",
     "SamplingParams",
     "StepOutput",

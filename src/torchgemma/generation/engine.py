@@ -45,21 +45,15 @@ from ..model import Gemma
 from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
+from .constraints import Grammar, constrained_token, fill_masks
 from .invariance import RowProbe
 from .prefix_cache import PrefixCache, load_chain, media_start
 from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs
-from .sampling import SamplingParams, check_scores, next_token, process_logits
+from .sampling import SamplingParams, next_token
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
-# A constrained request whose draw is refused tries this many more draws (or, greedy, the next most
-# likely tokens) before it asks for the allowed set itself.
-CONSTRAINT_CANDIDATES = 64
-# The work of finding a constrained request's allowed set, per step: bytes fed to the JSON
-# recognizer (JSONObject.allowed_tokens), or for another constraint the number of most likely
-# tokens asked. One request's format must not stall every other request of its batch.
-CONSTRAINT_BUDGET = 4096
 
 # A request's multimodal inputs, as transformers' Gemma 4 processor names them (MediaInputs' fields).
 MEDIA_INPUTS = tuple(f.name for f in fields(MediaInputs))
@@ -182,8 +176,8 @@ class Engine:
         for this prompt; or ``embedded``, the prompt already embedded. ``logprobs=n``: each of the
         request's step outputs carries the token's log-probability and the ``n`` most likely
         tokens' (log-softmax of the model's float32 logits, before any sampling filter).
-        ``constraint`` (e.g. ``constraints.JSONObject``) vetoes tokens: a refused draw is drawn again
-        (see ``_constrained``).
+        ``constraint``: a ``constraints.Grammar`` (the request gets its own state of it) or a
+        ``TokenConstraint``: only the tokens it allows are drawn from (see generation/constraints.py).
         """
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already queued or running")
@@ -221,6 +215,8 @@ class Engine:
             )
         stops = config.eos_token_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         seed = params.seed
+        if isinstance(constraint, Grammar):
+            constraint = constraint.start(stops)
         request = Request(
             request_id=request_id,
             prompt=prompt,
@@ -320,56 +316,6 @@ class Engine:
         request.media = None
         request.prefix = None
 
-    def _constrained(self, request: Request, logits: torch.Tensor, history) -> int:
-        """A token the request's constraint allows, at a bounded cost per step.
-
-        1. The usual draw (greedy or sampled, every filter applied): what the model writes when it
-           follows the format, at no extra cost.
-        2. If refused: ``CONSTRAINT_CANDIDATES`` more draws from the same distribution, the first
-           allowed one taken (rejection sampling: a draw from the distribution restricted to the
-           allowed tokens), or greedy, the next most likely tokens in order.
-        3. If all are refused (a model far from the format, or a temperature that flattens the
-           distribution over a vocabulary mostly refused): the allowed set itself, found within
-           ``CONSTRAINT_BUDGET`` (``constraint.allowed_tokens(budget)`` when the constraint has it,
-           else a scan of that many most likely tokens), the logits of the rest masked, one draw.
-        """
-        constraint, params, generator = request.constraint, request.params, request.generator
-        scores = process_logits(logits, params, history)
-        check_scores(scores)
-        probs = None if params.greedy else scores.softmax(dim=-1)
-        if params.greedy:
-            token = int(scores[0].argmax())
-        else:
-            token = int(torch.multinomial(probs, num_samples=1, generator=generator)[0, 0])
-        if constraint.allows(token):
-            constraint.advance(token)
-            return token
-        count = min(CONSTRAINT_CANDIDATES, scores.shape[-1])
-        if params.greedy:
-            candidates = scores[0].topk(count).indices.tolist()
-        else:
-            candidates = torch.multinomial(probs[0], count, replacement=True, generator=generator).tolist()
-        for candidate in candidates:
-            if constraint.allows(candidate):
-                constraint.advance(candidate)
-                return candidate
-        finder = getattr(constraint, "allowed_tokens", None)
-        if finder is not None:
-            allowed = finder(CONSTRAINT_BUDGET)
-        else:
-            likely = logits[0].topk(min(CONSTRAINT_BUDGET, logits.shape[-1])).indices.tolist()
-            allowed = [t for t in likely if constraint.allows(t)]
-        if not allowed:
-            # Nothing is allowed (e.g. the object is complete and no stop token exists): end here.
-            request.finish_reason = "stop"
-            return token
-        masked = torch.full_like(logits, float("-inf"))
-        index = torch.tensor(allowed, device=logits.device)
-        masked[0, index] = logits[0, index]
-        token = int(next_token(masked, params, generator=generator, history=history)[0])
-        constraint.advance(token)
-        return token
-
     def _emit_or_fail(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
         """``_emit``, or if choosing this request's token raised, its failure alone."""
         try:
@@ -397,7 +343,11 @@ class Engine:
             if request.params.repetition_penalty not in (None, 1.0):
                 history = torch.tensor([request.prompt + request.output], device=logits.device)
             if request.constraint is not None:
-                token = self._constrained(request, logits, history)
+                token, ended = constrained_token(
+                    request.constraint, logits, request.params, request.generator, history
+                )
+                if ended:  # the end token of a constraint given no stop ids
+                    request.finish_reason = "stop"
             else:
                 token = int(
                     next_token(logits, request.params, generator=request.generator, history=history)[0]
@@ -533,6 +483,8 @@ class Engine:
             logits = lm.logits(normed[rest]).float()
             for j, i in enumerate(rest):
                 choices[i] = logits[j : j + 1]
+            # The constrained rows' masks, all at once (rows without a constraint compute none).
+            fill_masks([requests[i].constraint for i in rest if requests[i].constraint is not None])
         return choices
 
     def _embed_media(self, request: Request) -> None:

@@ -27,6 +27,7 @@ from ..model import Gemma
 from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
+from .constraints import Grammar
 from .engine import DEFAULT_PREFILL_CHUNK, EmbeddedPrompt, Engine, StepOutput
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
@@ -103,12 +104,17 @@ def stream(
     stats: GenerationStats | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     prefix_cache: PrefixCache | None = None,
+    constraint: Grammar | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
     Arguments are checked (and the cache allocated) at the call, before the first step runs.
     """
     rows = _prompt_rows(input_ids, attention_mask)
+    if constraint is not None and not isinstance(constraint, Grammar):
+        raise TypeError(
+            "constraint must be a Grammar (generation.constraints): each row follows its own copy"
+        )
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     gen_config = resolve_generation_config(model, generation_config)
@@ -175,6 +181,7 @@ def stream(
             stop_token_ids=stops,
             embedded=row_embedded,
             media=row_media,
+            constraint=constraint,
         )
     return _loop(engine, batch, torch.full((batch,), pad_id, dtype=torch.long, device=device), stats)
 
@@ -291,6 +298,7 @@ def generate(
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
     prefix_cache: PrefixCache | None = None,
+    constraint: Grammar | None = None,
 ) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
@@ -312,6 +320,10 @@ def generate(
     * ``prefix_cache``: a ``PrefixCache`` (``generation/prefix_cache.py``) to take the prompts'
       stored beginnings from and store them in, across calls; the results are the same without it.
       ``stats.cached_tokens`` says how many prompt tokens it saved.
+    * ``constraint``: a ``Grammar`` (``generation.constraints``: JSON Schema, regex, Lark, tool
+      calls) every row's reply follows, each row with its own state: only tokens it allows are
+      drawn, the other logits masked to -inf (allowed ones unchanged); a row whose grammar is
+      complete may only stop (without stop ids: it ends with the tokenizer's eos token).
     * ``media``: a ``MediaInputs`` of transformers' Gemma 4 processor outputs (``torchgemma.
       processing.prepare_media_prompts`` builds them, placeholders expanded): ``pixel_values`` with
       ``image_position_ids``, ``input_features`` with ``input_features_mask``,
@@ -332,6 +344,7 @@ def generate(
             cache=cache,
             stats=stats,
             prefix_cache=prefix_cache,
+            constraint=constraint,
         )
     )
     if not isinstance(input_ids, torch.Tensor):

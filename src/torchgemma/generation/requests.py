@@ -29,8 +29,8 @@ class TokenLogprobs:
 class StepOutput:
     """What one ``Engine.step()`` did for one request: a token, or the error that ended it.
 
-    ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or a
-    constraint that allows nothing more), ``"length"`` (its token budget) or ``"error"`` (its own
+    ``finish_reason`` comes with the request's last output: ``"stop"`` (a stop token, or the
+    end of a constraint given no stop ids), ``"length"`` (its token budget) or ``"error"`` (its own
     inputs, its prefill, its sampling or constraint, or the model's logits for it failed: ``error``
     says why, ``token_id`` is None). ``logprobs`` is set for requests that asked for them.
     """

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..generation.constraints import JSONObject
-from ..replies import forced_call_prefix, template_tool_call
+from ..generation.constraints import ConstraintError, chat_grammar
+from ..replies import template_tool_call
 from .errors import bad_request
 from .limits import MediaBudget
 from .media import audio_bytes, check_wav, decode_wav_upload, load_image, open_image
@@ -87,10 +87,29 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     thinking = bool(body.chat_template_kwargs and body.chat_template_kwargs.enable_thinking)
     if body.reasoning_effort is not None:
         thinking = body.reasoning_effort != "none"
-    json_object = body.response_format is not None and body.response_format.type == "json_object"
-    if json_object:
-        thinking = False  # the JSON constraint starts at the first generated token
-    tools, prefix = tool_choice(body)
+    response_format = body.response_format
+    if response_format is not None and response_format.type == "text":
+        response_format = None
+    if response_format is not None:
+        thinking = False  # the format's constraint starts at the first generated token
+    tools = declared_tools(body)
+    try:
+        # One mechanism for every format (generation/constraints.py): a JSON object or schema, a
+        # forced call of a declared tool with schema-valid arguments, at most one call.
+        grammar = chat_grammar(
+            tokenizer,
+            response_format=None
+            if response_format is None
+            else response_format.model_dump(exclude_none=True),
+            tools=tools,
+            tool_choice=None if body.tool_choice is None else _plain(body.tool_choice),
+            parallel_tool_calls=body.parallel_tool_calls,
+            thinking=thinking,
+        )
+    except ConstraintError as error:
+        raise bad_request(str(error), error.field) from error
+    except ImportError as error:  # the server was installed without its constraints extra
+        raise bad_request(str(error), "response_format" if response_format else "tool_choice") from error
     messages, images, audio = template_messages(body.messages, MediaBudget(state.limits))
     processor = state.llm.processor
     try:
@@ -100,7 +119,6 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
             enable_thinking=thinking,
             tools=tools,
             sanitize_control_tokens=True,
-            reply_prefix=prefix,
             audio=audio,
         )
     except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
@@ -115,21 +133,24 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     engine_args = sampling_args(state, body, len(ids), max_tokens, state.chat_stops)
     if processed.media:
         engine_args["media"] = processed.media
-    if json_object:
-        if prefix:
-            raise bad_request("a JSON object reply cannot also be a forced tool call", "response_format")
-        # Every token must keep the reply a valid prefix of a JSON object (generation/constraints.py).
-        engine_args["constraint"] = JSONObject(tokenizer.token_bytes, state.chat_stops)
+    if grammar is not None:
+        engine_args["constraint"] = grammar  # the engine starts its own state of it
     if body.logprobs:
         engine_args["logprobs"] = body.top_logprobs or 0
-    return Prepared(
-        ids, engine_args, stop_list(body.stop), tools=tools is not None, prefix=prefix, logprobs=body.logprobs
-    )
+    return Prepared(ids, engine_args, stop_list(body.stop), tools=tools is not None, logprobs=body.logprobs)
 
 
-def tool_choice(body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
-    """The tools the template declares (None when tool_choice is "none") and the text forced at the
-    start of the reply ("required": some call; a named function: that one)."""
+def _plain(choice):
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def declared_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the template declares (None when tool_choice is "none"), checked: names the
+    template can write, a named tool_choice among them."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if (body.model_extra or {}).get(legacy) is not None:
+            # Dropping them would answer without the tools the client offered.
+            raise bad_request(f"{legacy} (deprecated by OpenAI) is not supported: use {current}", legacy)
     choice = body.tool_choice or ("auto" if body.tools else "none")
     tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
     for tool in tools:
@@ -141,15 +162,11 @@ def tool_choice(body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
             )
     if choice != "none" and not tools:
         raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
-    prefix = ""
-    if choice == "required":
-        prefix = forced_call_prefix()
-    elif not isinstance(choice, str):
+    if not isinstance(choice, str):
         name = choice.function.get("name", "")
         if name not in {tool["name"] for tool in tools}:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        prefix = forced_call_prefix(name)
-    return (tools if choice != "none" else None), prefix
+    return tools if choice != "none" else None
 
 
 def template_messages(

@@ -83,8 +83,8 @@ def refuse_unsupported(body) -> None:
     for name in GRAMMAR_FIELDS:
         if extras.get(name) is not None:
             raise bad_request(
-                f"{name} is not supported: the only output constraint here is response_format "
-                '{"type": "json_object"} (chat completions)',
+                f"{name} is not supported: output constraints here are response_format "
+                '{"type": "json_object"} or {"type": "json_schema", ...} (chat completions)',
                 name,
             )
     if body.n not in (None, 1):
@@ -92,11 +92,6 @@ def refuse_unsupported(body) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise bad_request(f"{name} is not supported; use repetition_penalty", name)
-    response_format = getattr(body, "response_format", None)
-    if response_format is not None and response_format.type == "json_schema":
-        raise bad_request(
-            "response_format json_schema is not enforced here; use json_object", "response_format"
-        )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
