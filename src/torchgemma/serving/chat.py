@@ -123,7 +123,14 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     if body.logprobs:
         engine_args["logprobs"] = body.top_logprobs or 0
     return Prepared(
-        ids, engine_args, stop_list(body.stop), tools=tools is not None, prefix=prefix, logprobs=body.logprobs
+        ids,
+        engine_args,
+        stop_list(body.stop),
+        tools=tools is not None,
+        prefix=prefix,
+        logprobs=bool(body.logprobs),
+        n=body.n,
+        ignore_eos=body.ignore_eos,
     )
 
 
