@@ -110,8 +110,6 @@ def prompt_logprobs(state: ServerState, ids: list[int], top: int, text: bool = F
     with torch.inference_mode():
         normed = lm(model.text_ids(torch.tensor([ids], device=model.device)), head=False)[0]
         entries = [{**described(state, ids[0], None), "top_logprobs": None}]
-        if text and ids[0] == state.tokenizer.bos_id:
-            entries[0]["text_width"] = 0  # the <bos> encoding added: not in the echoed text
         for start in range(0, len(ids) - 1, PROMPT_LOGPROB_ROWS):
             end = min(start + PROMPT_LOGPROB_ROWS, len(ids) - 1)
             logprobs = torch.log_softmax(lm.logits(normed[start:end]).float(), dim=-1)
@@ -128,16 +126,20 @@ def prompt_logprobs(state: ServerState, ids: list[int], top: int, text: bool = F
                         ],
                     }
                 )
+    # text_offset: where each token's text begins in the echoed prompt (a <bos> the encoding added
+    # is not in it: it begins, empty, at 0).
+    decoder, decoded = state.tokenizer.stream_decoder(), 0
+    for index, (entry, token) in enumerate(zip(entries, ids)):
+        entry["text_offset"] = decoded
+        if not (index == 0 and text and token == state.tokenizer.bos_id):
+            decoded += len(decoder.push(token))
     return entries
 
 
 def completion_response(state: ServerState, outcome: Outcome, prepared: Prepared) -> dict:
     logprobs = None
     if prepared.logprobs:
-        if prepared.prompt_logprobs is not None:
-            logprobs = completion_logprobs(prepared.prompt_logprobs + outcome.logprobs)
-        else:
-            logprobs = completion_logprobs(outcome.logprobs, len(prepared.echo))
+        logprobs = completion_logprobs((prepared.prompt_logprobs or []) + outcome.logprobs)
     choice = {
         "index": 0,
         "text": prepared.echo + "".join(outcome.content),

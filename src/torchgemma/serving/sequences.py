@@ -127,6 +127,8 @@ async def generate(state: ServerState, run: Run) -> AsyncIterator[tuple[str, Any
     hidden = frozenset() if prepared.raw else hidden_token_ids(state.tokenizer)
     stops = StopStrings(prepared.stops)
     count, reason, done = 0, "stop", False
+    # Raw text: characters decoded so far (where the next token's text begins, after the echo).
+    decoded = len(prepared.echo)
     tool_calls = 0
 
     def convert(deltas) -> list[tuple[str, Any]]:
@@ -173,11 +175,17 @@ async def generate(state: ServerState, run: Run) -> AsyncIterator[tuple[str, Any
                 if count == 0:
                     run.cached_tokens = token.cached_tokens
                 count += 1
-                if prepared.logprobs and token.logprobs is not None:
-                    events.append(("logprob", logprob_entry(state, token)))
+                # A stop token ends the reply unwritten: neither its text nor its logprob is given.
+                ending = token.finished and token.finish_reason == "stop"
+                if prepared.logprobs and token.logprobs is not None and not ending:
+                    entry = logprob_entry(state, token)
+                    if prepared.raw:  # completions' text_offset
+                        entry["text_offset"] = decoded
+                    events.append(("logprob", entry))
                 piece = ""
-                if not (token.finished and token.finish_reason == "stop") and token.token_id not in hidden:
+                if not ending and token.token_id not in hidden:
                     piece = decoder.push(token.token_id)
+                    decoded += len(piece)
                 events += convert(parser.push(piece))
                 if token.finished:
                     reason = token.finish_reason or "stop"
@@ -243,20 +251,21 @@ async def watch_disconnect(state: ServerState, request: Request, runs: list[Run]
         await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
 
-# Gemma's unused vocabulary slots (<unused0>, ...): never text, whether or not a tokenizer marks them special.
-UNUSED_SLOT = re.compile(r"<unused[^<>]*>")
+# Control tokens some tokenizers do not mark special: Gemma's unused slots (<unused0>, ...), Gemma 3's
+# media markers (<start_of_image>, <image_soft_token>, [multimodal]). Never text.
+UNMARKED_CONTROL = re.compile(r"<unused[^<>]*>|<(?:start|end)_of_[a-z_]+>|<[a-z_]*soft_token>|\[multimodal\]")
 
 
 @functools.lru_cache(maxsize=8)
 def hidden_token_ids(tokenizer) -> frozenset[int]:
     """The tokens left out of a chat reply's text: every special token of the tokenizer, every
     control token of its chat template and every unused slot (``<|image>``, ``<mask>``,
-    ``<unusedN>``, ...), except those Gemma's reply format reads (``replies.grammar.SPECIAL_TOKENS``:
+    ``<unusedN>``, ``<start_of_image>``, ...), except those Gemma's reply format reads (``replies.grammar.SPECIAL_TOKENS``:
     it drops the strays itself)."""
     ids = set(tokenizer.special_ids)
     if tokenizer.chat_template is not None:
         ids.update(tokenizer.token_id(text) for text in tokenizer.control_tokens())
-    ids.update(i for piece, i in tokenizer.backend.get_vocab().items() if UNUSED_SLOT.fullmatch(piece))
+    ids.update(i for piece, i in tokenizer.backend.get_vocab().items() if UNMARKED_CONTROL.fullmatch(piece))
     return frozenset(ids - {tokenizer.backend.token_to_id(text) for text in SPECIAL_TOKENS})
 
 

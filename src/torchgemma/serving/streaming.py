@@ -33,13 +33,9 @@ from .state import ServerState
 __all__ = ["Outcome", "Prepared", "completion_logprobs", "respond", "whole_reply", "collect"]
 
 
-def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
-    """Completions' logprobs object; ``text_offset``: where each token's text starts in the choice's
-    text (counted from ``offset``, the characters before the first of these tokens)."""
-    offsets = []
-    for entry in entries:
-        offsets.append(offset)
-        offset += entry.get("text_width", len(entry["token"]))
+def completion_logprobs(entries: list[dict]) -> dict:
+    """Completions' logprobs object; ``text_offset``: where each token's text begins in the choice's
+    text (a token whose bytes complete a character later begins where that character does)."""
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -47,7 +43,7 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
             None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
             for e in entries
         ],
-        "text_offset": offsets,
+        "text_offset": [e["text_offset"] for e in entries],
     }
 
 
@@ -258,17 +254,12 @@ async def stream_chunks(
                 else chunk({"content": run.prepared.echo}, index=run.index, logprobs=_echo_logprobs(run))
             )
         logprobs: dict[int, list] = {run.index: [] for run in runs}
-        offsets = {run.index: len(run.prepared.echo) for run in runs}
 
         def carried(index: int):
             entries, logprobs[index] = logprobs[index], []
             if not entries:
                 return None
-            if chat:
-                return {"content": entries}
-            text = completion_logprobs(entries, offsets[index])
-            offsets[index] = text["text_offset"][-1] + len(entries[-1]["token"])
-            return text
+            return {"content": entries} if chat else completion_logprobs(entries)
 
         async for index, (name, value) in _chain(pending, merged):
             if name == "logprob":
