@@ -11,6 +11,7 @@ A tiny random chat checkpoint serves where the model's choices do not matter; an
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -23,6 +24,7 @@ import pytest
 
 from serving_fixtures import ScriptedEngine, running_server
 from torchgemma.generation import SamplingParams, generate
+from torchgemma.generation.constraints import JSONPrefix
 from torchgemma.llm import LLM
 from torchgemma.replies.grammar import CALL_START, CHANNEL_END, CHANNEL_START, QUOTE, STOP_MARKERS
 from torchgemma.serving.app import create_app
@@ -483,3 +485,22 @@ def test_ignore_eos_reaches_the_engine(scripted):
     client.chat.completions.create(model=MODEL, messages=HI, extra_body={"ignore_eos": True})
     client.chat.completions.create(model=MODEL, messages=HI)
     assert engine.arguments[0]["stop_token_ids"] == [] and engine.arguments[1]["stop_token_ids"]
+
+
+def test_n_choices_each_follow_their_own_constraint(client):
+    """response_format json_object with n=2 (sampled): each choice keeps its own constraint's state,
+    so each is a JSON object (or a valid prefix of one, cut at max_tokens)."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        n=2,
+        seed=5,
+        temperature=1.0,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+    )
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert JSONPrefix().feed_all(choice.message.content.encode()), choice.message.content
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
