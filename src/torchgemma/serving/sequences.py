@@ -108,6 +108,64 @@ class Run:
     finish_reason: str | None = None
 
 
+class _Reader:
+    """A sequence's tokens -> its events: the stream decoder, the reply parser (or raw text), the
+    stop strings, and what they have seen."""
+
+    def __init__(self, state: ServerState, prepared: Prepared):
+        self.state, self.prepared = state, prepared
+        self.decoder = state.tokenizer.stream_decoder()
+        self.parser = RawText() if prepared.raw else ReplyStream(tools=prepared.tools)
+        # Special tokens the reply format does not read never reach the parser (content or reasoning).
+        self.hidden = frozenset() if prepared.raw else hidden_token_ids(state.tokenizer)
+        self.stops = StopStrings(prepared.stops)
+        self.done = False  # a stop string ended the content
+        self.tool_calls = 0
+        # Raw text: characters decoded so far (where the next token's text begins, after the echo).
+        self.decoded = len(prepared.echo)
+
+    def convert(self, deltas) -> list[tuple[str, Any]]:
+        events = []
+        for delta in deltas:
+            if delta.kind == "tool_call":
+                self.tool_calls += 1
+                events.append(("tool_call", tool_call_dict(delta.index, delta.tool_call)))
+            elif delta.kind == "reasoning":
+                events.append(("reasoning", delta.text))
+            elif not self.done:
+                text, stopped = self.stops.push(delta.text)
+                if text:
+                    events.append(("content", text))
+                self.done = self.done or stopped
+        return events
+
+    def token(self, token: Token) -> list[tuple[str, Any]]:
+        """A generated token's events: its logprob entry (if asked), then any text it released."""
+        events = []
+        # A stop token ends the reply unwritten: neither its text nor its logprob is given.
+        ending = token.finished and token.finish_reason == "stop"
+        if self.prepared.logprobs and token.logprobs is not None and not ending:
+            entry = logprob_entry(self.state, token)
+            if self.prepared.raw:  # completions' text_offset
+                entry["text_offset"] = self.decoded
+            events.append(("logprob", entry))
+        piece = ""
+        if not ending and token.token_id not in self.hidden:
+            piece = self.decoder.push(token.token_id)
+            self.decoded += len(piece)
+        return events + self.convert(self.parser.push(piece))
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The text still held back, at the end."""
+        tail = "" if self.done else self.decoder.flush()
+        events = self.convert(self.parser.push(tail) + self.parser.finish())
+        if not self.done:
+            text = self.stops.finish()
+            if text:
+                events.append(("content", text))
+        return events
+
+
 async def generate(state: ServerState, run: Run) -> AsyncIterator[tuple[str, Any]]:
     """One submitted sequence's events: ("content" | "reasoning", text), ("tool_call", OpenAI dict),
     ("logprob", entry) before the text event its token's text is in, and last ("finish",
@@ -120,35 +178,10 @@ async def generate(state: ServerState, run: Run) -> AsyncIterator[tuple[str, Any
         state.metrics.requests.labels(endpoint, "length").inc()
         yield "finish", ("length", 0)
         return
-    tokens = run.tokens
-    decoder = state.tokenizer.stream_decoder()
-    parser = RawText() if prepared.raw else ReplyStream(tools=prepared.tools)
-    # Special tokens the reply format does not read never reach the parser (content or reasoning).
-    hidden = frozenset() if prepared.raw else hidden_token_ids(state.tokenizer)
-    stops = StopStrings(prepared.stops)
-    count, reason, done = 0, "stop", False
-    # Raw text: characters decoded so far (where the next token's text begins, after the echo).
-    decoded = len(prepared.echo)
-    tool_calls = 0
-
-    def convert(deltas) -> list[tuple[str, Any]]:
-        nonlocal done, tool_calls
-        events = []
-        for delta in deltas:
-            if delta.kind == "tool_call":
-                tool_calls += 1
-                events.append(("tool_call", tool_call_dict(delta.index, delta.tool_call)))
-            elif delta.kind == "reasoning":
-                events.append(("reasoning", delta.text))
-            elif not done:
-                text, stopped = stops.push(delta.text)
-                if text:
-                    events.append(("content", text))
-                done = done or stopped
-        return events
-
+    tokens, reader = run.tokens, _Reader(state, prepared)
+    count, reason = 0, "stop"
     try:
-        for event in convert(parser.push(prepared.prefix)) if prepared.prefix else []:
+        for event in reader.convert(reader.parser.push(prepared.prefix)) if prepared.prefix else []:
             yield event
         finished = False
         while not finished:
@@ -175,38 +208,22 @@ async def generate(state: ServerState, run: Run) -> AsyncIterator[tuple[str, Any
                 if count == 0:
                     run.cached_tokens = token.cached_tokens
                 count += 1
-                # A stop token ends the reply unwritten: neither its text nor its logprob is given.
-                ending = token.finished and token.finish_reason == "stop"
-                if prepared.logprobs and token.logprobs is not None and not ending:
-                    entry = logprob_entry(state, token)
-                    if prepared.raw:  # completions' text_offset
-                        entry["text_offset"] = decoded
-                    events.append(("logprob", entry))
-                piece = ""
-                if not ending and token.token_id not in hidden:
-                    piece = decoder.push(token.token_id)
-                    decoded += len(piece)
-                events += convert(parser.push(piece))
+                events += reader.token(token)
                 if token.finished:
                     reason = token.finish_reason or "stop"
                     finished = True
                     break
-                if done or (parser.stopped and not prepared.ignore_eos):
+                if reader.done or (reader.parser.stopped and not prepared.ignore_eos):
                     runner.abort(run.request_id)
                     reason = "stop"
                     finished = True
                     break
             for event in _merged(events):
                 yield event
-        tail = "" if done else decoder.flush()
-        for event in convert(parser.push(tail) + parser.finish()):
+        for event in reader.finish():
             yield event
-        if not done:
-            text = stops.finish()
-            if text:
-                yield "content", text
         run.completion_tokens = count
-        run.finish_reason = "tool_calls" if tool_calls else reason
+        run.finish_reason = "tool_calls" if reader.tool_calls else reason
         state.metrics.requests.labels(endpoint, run.finish_reason).inc()
         yield "finish", (run.finish_reason, count)
     except (asyncio.CancelledError, GeneratorExit):
