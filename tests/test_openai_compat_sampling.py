@@ -504,3 +504,26 @@ def test_n_choices_each_follow_their_own_constraint(client):
         assert JSONPrefix().feed_all(choice.message.content.encode()), choice.message.content
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
+
+
+def test_one_sequences_events_for_endpoints_that_shape_their_own_reply(llm):
+    """streaming.generate: a prepared request's events, submitted and watched in one call."""
+    from torchgemma.serving.chat import prepare_chat
+    from torchgemma.serving.protocol import ChatCompletionRequest
+    from torchgemma.serving.state import ServerState
+    from torchgemma.serving.streaming import generate as generate_events
+
+    engine = ScriptedEngine(llm.tokenizer, ["Hello there"], stop_id=llm.tokenizer.turn_end_id)
+    state = ServerState.build(llm, model_name=MODEL, engine=engine)
+    try:
+        prepared = prepare_chat(state, ChatCompletionRequest(messages=HI))
+
+        async def events():
+            return [event async for event in generate_events(state, None, prepared)]
+
+        got = asyncio.run(events())
+        assert "".join(v for k, v in got if k == "content") == "Hello there"
+        count = len(llm.tokenizer.encode("Hello there", add_special_tokens=False)) + 1  # and the stop token
+        assert got[-1] == ("finish", ("stop", count)) and prepared.completion_tokens == count
+    finally:
+        state.close()

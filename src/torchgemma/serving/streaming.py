@@ -27,10 +27,11 @@ from fastapi.responses import StreamingResponse
 from .errors import APIError
 from .metrics import log_request
 from .runner import Busy
-from .sequences import Outcome, Prepared, Run, generate, watch_disconnect
+from .sequences import Outcome, Prepared, Run, watch_disconnect
+from .sequences import generate as generate_run
 from .state import ServerState
 
-__all__ = ["Outcome", "Prepared", "completion_logprobs", "respond", "whole_reply", "collect"]
+__all__ = ["Outcome", "Prepared", "collect", "completion_logprobs", "generate", "respond", "whole_reply"]
 
 
 def completion_logprobs(entries: list[dict]) -> dict:
@@ -129,9 +130,26 @@ async def collect_runs(state: ServerState, request: Request | None, runs: list[R
         _finished(runs)
 
 
+async def generate(
+    state: ServerState, request: Request | None, prepared: Prepared
+) -> AsyncIterator[tuple[str, Any]]:
+    """One prepared request's single sequence as events (``sequences.generate``'s), submitted here;
+    ``request``, when given, is watched for the client going away. For endpoints that shape their
+    own reply from the events."""
+    runs = submit(state, [prepared])
+    watcher = None if request is None else asyncio.create_task(watch_disconnect(state, request, runs))
+    try:
+        async for event in generate_run(state, runs[0]):
+            yield event
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        _finished(runs)
+
+
 async def _outcome(state: ServerState, run: Run) -> Outcome:
     outcome = Outcome()
-    async for kind, value in generate(state, run):
+    async for kind, value in generate_run(state, run):
         if kind == "content":
             outcome.content.append(value)
         elif kind == "reasoning":
@@ -309,7 +327,7 @@ async def _merge(
 
     async def pump(run: Run) -> None:
         try:
-            async for event in generate(state, run):
+            async for event in generate_run(state, run):
                 events.put_nowait((run.index, event))
             events.put_nowait((run.index, ended))
         except asyncio.CancelledError as error:  # its client went away (or the reply was closed)
