@@ -83,6 +83,20 @@ def test_fork_groups_wait_for_their_slots_and_survive_their_leaders_abort(gen_ch
     assert out["b"] == alone(model, ids, 3, new=6) and out["c"] == alone(model, ids, 4, new=6)
     assert "a" not in out
 
+    # A leader aborted while it prefills (after one of its three chunks): its first follower
+    # prefills in its own slot and leads the rest.
+    engine.add_request("d", ids, sampling=sampled(5), max_new_tokens=4, stop_token_ids=[])
+    for name, seed in (("e", 6), ("f", 7)):
+        engine.add_request(
+            name, ids, sampling=sampled(seed), max_new_tokens=4, stop_token_ids=[], fork_of="d"
+        )
+    assert engine.step() == [] and engine.requests["d"].prefilled == 4
+    engine.abort_request("d")
+    out = drain(engine)
+    assert set(out) == {"e", "f"}
+    assert out["e"] == alone(model, ids, 6, new=4) and out["f"] == alone(model, ids, 7, new=4)
+    assert engine.cache.lengths == [0, 0, 0]
+
 
 def test_fork_requests_are_checked(gen_checkpoints):
     model = torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32)

@@ -473,10 +473,18 @@ def test_aborted_requests_are_counted(scripted):
     while metric(url, "chat", "abort") < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(url, "chat", "abort") == 1
+    engine.replies.extend(["word " * 200, "word " * 200])  # n=2: each choice counts
+    stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True, n=2)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 20
+    while metric(url, "chat", "abort") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, "chat", "abort") == 3
     engine.step_delay = 0
     engine.replies.append("fine")
     client.chat.completions.create(model=MODEL, messages=HI)
-    assert metric(url, "chat", "stop") == 1 and metric(url, "chat", "abort") == 1
+    assert metric(url, "chat", "stop") == 1 and metric(url, "chat", "abort") == 3
 
 
 def test_ignore_eos_reaches_the_engine(scripted):
