@@ -301,6 +301,11 @@ def test_echo_with_logprobs_gives_the_prompts(llm, client):
     ids = llm.encode("The quick brown fox jumps")
     echo = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0).choices[0]
     assert echo.text == llm.tokenizer.decode(ids) and echo.finish_reason == "length"
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == echo.text
+    assert streamed[0].choices[0].logprobs.token_logprobs == echo.logprobs.token_logprobs
     lp = echo.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for k in range(1, len(ids)):
