@@ -101,7 +101,8 @@ class ScriptedEngine:
 def content_of(llm, token_ids) -> str:
     """What the server answers for these generated tokens: the reply's content, specials left out."""
     from torchgemma.replies import parse_reply
+    from torchgemma.serving.sequences import hidden_token_ids
 
     stops = set(llm.generation_config.eos_token_ids) | {llm.tokenizer.turn_end_id}
-    ids = [t for t in token_ids if t not in stops]
+    ids = [t for t in token_ids if t not in stops and t not in hidden_token_ids(llm.tokenizer)]
     return parse_reply(llm.tokenizer.decode(ids)).content

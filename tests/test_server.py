@@ -278,7 +278,7 @@ def test_errors_have_openai_shape(server):
     assert unknown.status_code == 404 and error_of(unknown)["code"] == "model_not_found"
 
     for field, value, needle in (
-        ("n", 2, "n > 1"),
+        ("n", 100, "run at once"),
         ("presence_penalty", 0.5, "repetition_penalty"),
         ("frequency_penalty", 0.5, "repetition_penalty"),
         ("response_format", {"type": "json_schema", "json_schema": {}}, "json_schema"),

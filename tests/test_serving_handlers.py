@@ -76,12 +76,12 @@ def test_invalid_requests_are_refused_before_the_engine(scripted, run):
     unknown = refusal(chat(model="gpt-4", messages=hi))
     assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "model")
     for fields, param, needle in (
-        (dict(n=2), "n", "n > 1"),
+        (dict(n=100), "n", "run at once"),
         (dict(presence_penalty=0.5), "presence_penalty", "repetition_penalty"),
         (dict(response_format={"type": "json_schema"}), "response_format", "json_schema"),
         (dict(tool_choice="required"), "tool_choice", "needs tools"),
         (dict(stop=["x"] * 17), "stop", "at most 16"),
-        (dict(max_tokens=10_000), "max_tokens", "does not fit"),
+        (dict(max_tokens=10_000), "max_tokens", "maximum context length"),
         (dict(grammar='root ::= "yes"'), "grammar", "not supported"),
         (dict(guided_json={"type": "object"}), "guided_json", "json_object"),
     ):

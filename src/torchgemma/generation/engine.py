@@ -46,6 +46,7 @@ from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .constraints import Grammar, constrained_token, fill_masks
+from .fork import admit_forks, enqueue, leave_fork, spread_forks
 from .invariance import RowProbe
 from .prefix_cache import PrefixCache, load_chain, media_start
 from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs
@@ -165,6 +166,7 @@ class Engine:
         logprobs: int | None = None,
         constraint: Any = None,
         embedded: EmbeddedPrompt | None = None,
+        fork_of: Hashable | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next ``step()`` with a free slot.
 
@@ -178,6 +180,8 @@ class Engine:
         tokens' (log-softmax of the model's float32 logits, before any sampling filter).
         ``constraint``: a ``constraints.Grammar`` (the request gets its own state of it) or a
         ``TokenConstraint``: only the tokens it allows are drawn from (see generation/constraints.py).
+        ``fork_of``: a queued request with this prompt whose prefill this one shares (``fork.py``:
+        parallel sampling).
         """
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already queued or running")
@@ -229,8 +233,8 @@ class Engine:
             logprobs=logprobs,
             constraint=constraint,
         )
+        enqueue(self, request, fork_of)
         self.requests[request_id] = request
-        self._waiting.append(request)
 
     def step(self) -> list[StepOutput]:
         """Advance every running request by at most one token: one ``StepOutput`` per request."""
@@ -266,7 +270,7 @@ class Engine:
         if request is None:
             return
         if request.slot is None:
-            self._waiting.remove(request)
+            leave_fork(request, self._waiting)
         else:
             self._release(request)
 
@@ -277,11 +281,7 @@ class Engine:
 
     def _admit(self) -> None:
         free = [s for s in range(self.max_batch_size) if s not in self._running]
-        while self._waiting and free:
-            request = self._waiting.popleft()
-            request.slot = free.pop(0)
-            self.cache.free(request.slot)
-            self._running[request.slot] = request
+        for request in admit_forks(self, free):
             if self.prefix_cache is not None and request.embedded is None:
                 self._reuse(request)
 
@@ -310,6 +310,7 @@ class Engine:
         )
 
     def _release(self, request: Request) -> None:
+        leave_fork(request, self._waiting)
         del self._running[request.slot]
         self.cache.free(request.slot)
         request.embedded = None
@@ -375,7 +376,7 @@ class Engine:
         groups: dict[tuple, list[Request]] = {}
         failed = []
         for request in sorted(self._running.values(), key=lambda r: r.slot):
-            if request.decoding:
+            if request.decoding or request.leader is not None:  # (a follower waits for its fork)
                 continue
             if request.embedded is None and request.media is not None:
                 try:
@@ -452,7 +453,8 @@ class Engine:
             if end == len(request.prompt):
                 request.embedded = None
                 done.append(i)
-        return [group[i] for i in done], self._choices([group[i] for i in done], normed[done, -1])
+        members = [group[i] for i in done]
+        return spread_forks(self.cache, members, self._choices(members, normed[done, -1]))
 
     def _choices(self, requests: list[Request], normed: torch.Tensor) -> list[torch.Tensor | int]:
         """For each request, from its final-normed hidden state (n, H): its greedy token where

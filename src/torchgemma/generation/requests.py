@@ -83,6 +83,10 @@ class Request:
     # prompt may be stored (its first media token).
     prefix: int | None = None
     store_limit: int = 0
+    # Parallel sampling (fork.py): the requests forked from this one's prefill, or the one whose
+    # prefill this one waits for.
+    followers: list[Request] = field(default_factory=list, compare=False, repr=False)
+    leader: Request | None = field(default=None, compare=False, repr=False)
 
     @property
     def decoding(self) -> bool:

@@ -137,7 +137,15 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
         engine_args["constraint"] = grammar  # the engine starts its own state of it
     if body.logprobs:
         engine_args["logprobs"] = body.top_logprobs or 0
-    return Prepared(ids, engine_args, stop_list(body.stop), tools=tools is not None, logprobs=body.logprobs)
+    return Prepared(
+        ids,
+        engine_args,
+        stop_list(body.stop),
+        tools=tools is not None,
+        logprobs=bool(body.logprobs),
+        n=body.n,
+        ignore_eos=body.ignore_eos,
+    )
 
 
 def _plain(choice):

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# OpenAI's limit on n (and best_of).
+MAX_N = 128
 
 
 class _Model(BaseModel):
@@ -85,35 +88,45 @@ class ChatTemplateKwargs(_Model):
 
 
 class SamplingFields(_Model):
-    """What chat and text completions share."""
+    """What chat and text completions share, with OpenAI's ranges (a value outside one is a 400
+    naming the field)."""
 
     # Extras kept (not dropped): the grammar fields other servers take are refused by name
     # (sampling.refuse_unsupported), not silently ignored.
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # 0 only with completions' echo (the prompt's logprobs, nothing generated): checked there.
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = None
-    # OpenAI's map of token id (a JSON key, so a string of digits) -> bias; checked in sampling_args.
+    # OpenAI's map of token id (a JSON key, so a string of digits) -> bias in [-100, 100]; checked
+    # in sampling_args (ids against the vocabulary, values by SamplingParams).
     logit_bias: dict[int, float] | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: generate past the end-of-sequence tokens, up to max_tokens (benchmarks).
+    ignore_eos: bool = False
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_default(cls, value):
+        return 1 if value is None else value
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -124,9 +137,14 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    # One prompt or several (OpenAI's four forms): text, token ids, a list of texts, a list of id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # OpenAI's insertion suffix and server-side best-of: refused unless they change nothing
+    # (sampling.refuse_unsupported).
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
 
 class EmbeddingRequest(_Model):

@@ -107,16 +107,27 @@ class EngineRunner:
     def submit(self, input_ids: list[int], **request: Any) -> tuple[Hashable, asyncio.Queue]:
         """Queue a request (``Engine.add_request``'s keyword arguments: ``sampling``, ``media``,
         ``max_new_tokens``, ...); its id and the queue of its tokens."""
+        return self.submit_fork(input_ids, [request])[0]
+
+    def submit_fork(self, input_ids: list[int], requests: list[dict]) -> list[tuple[Hashable, asyncio.Queue]]:
+        """Queue one prompt's sequences (OpenAI's ``n``), each with its own ``add_request`` keyword
+        arguments: the first prefills the prompt, the others fork from it (``fork_of``), all handed
+        to the engine at once. Each one's id and token queue."""
         with self._lock:
             waiting = self._in_flight - self.engine.max_batch_size
-            if waiting >= self.max_waiting:
+            if waiting + len(requests) > self.max_waiting:
                 raise Busy(f"{waiting} requests are waiting for a slot (the limit is {self.max_waiting})")
-            self._in_flight += 1
-        request_id = f"req-{next(self._ids)}"
-        tokens: asyncio.Queue = asyncio.Queue()
-        subscriber = _Subscriber(asyncio.get_running_loop(), tokens, time.perf_counter())
-        self._inbox.put(("add", request_id, input_ids, request, subscriber))
-        return request_id, tokens
+            self._in_flight += len(requests)
+        added = []
+        loop = asyncio.get_running_loop()
+        for index, request in enumerate(requests):
+            request_id = f"req-{next(self._ids)}"
+            if index:
+                request = {**request, "fork_of": added[0][0]}
+            subscriber = _Subscriber(loop, asyncio.Queue(), time.perf_counter())
+            added.append((request_id, input_ids, request, subscriber))
+        self._inbox.put(("add", added))
+        return [(request_id, subscriber.queue) for request_id, _, _, subscriber in added]
 
     def abort(self, request_id: Hashable) -> None:
         """Drop a request (a client went away); its slot is free at the next step."""
@@ -182,12 +193,12 @@ class EngineRunner:
             block = False
             kind = message[0]
             if kind == "add":
-                _, request_id, input_ids, request, subscriber = message
-                self._subscribers[request_id] = subscriber
-                try:
-                    self.engine.add_request(request_id, input_ids, **request)
-                except Exception as error:  # noqa: BLE001 - reported to the one request
-                    self._end(request_id, error)
+                for request_id, input_ids, request, subscriber in message[1]:
+                    self._subscribers[request_id] = subscriber
+                    try:
+                        self.engine.add_request(request_id, input_ids, **request)
+                    except Exception as error:  # noqa: BLE001 - reported to the one request
+                        self._end(request_id, error)
             elif kind == "abort":
                 _, request_id = message
                 if request_id in self._subscribers:

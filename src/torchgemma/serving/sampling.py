@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import bad_request
+from .errors import bad_request, context_overflow
 from .state import ServerState
 
 
@@ -23,20 +23,22 @@ def sampling_args(
     naming the field); a temperature below 0.01 decodes greedily (OpenAI's range is 0..2 and
     accepts such values)."""
     room = state.context_limit - prompt_len
+    where = "messages" if hasattr(body, "messages") else "prompt"
     if room <= 0:
-        raise bad_request(
-            f"the prompt has {prompt_len} tokens; this server's limit is {state.max_len} tokens of prompt "
-            "and reply together",
-            "messages",
-            "context_length_exceeded",
-        )
+        raise context_overflow(state.context_limit, prompt_len, where)
     if max_tokens is not None and max_tokens > room:
+        raise context_overflow(state.context_limit, prompt_len, where, max_tokens)
+    if max_tokens == 0 and not getattr(body, "echo", False):
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+    n = getattr(body, "n", 1)
+    if n > state.runner.engine.max_batch_size:
         raise bad_request(
-            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the limit is "
-            f"{state.max_len}, so at most {room} can be generated",
-            "max_tokens",
-            "context_length_exceeded",
+            f"n={n} sequences run at once, and this server runs {state.runner.engine.max_batch_size} "
+            "(--max-batch-size)",
+            "n",
         )
+    if getattr(body, "ignore_eos", False):
+        stop_ids = []
     vocab = state.llm.model.config.text.vocab_size
     bias = getattr(body, "logit_bias", None)  # (transcriptions take no bias)
     outside = sorted(t for t in bias or {} if not 0 <= t < vocab)
@@ -44,11 +46,14 @@ def sampling_args(
         raise bad_request(
             f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})", "logit_bias"
         )
+    top_k, top_p = body.top_k, body.top_p
+    if top_p == 0:  # OpenAI's range includes 0: only the most likely token stays, as top_k=1 keeps
+        top_k, top_p = 1, None
     try:
         sampling = state.llm.generation_config.sampling(
             temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
+            top_k=top_k,
+            top_p=top_p,
             min_p=body.min_p,
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
@@ -59,7 +64,11 @@ def sampling_args(
         field = str(error).split(" ", 1)[0].split("[", 1)[0]
         raise bad_request(str(error), field if hasattr(body, field) else None) from error
     state.metrics.prompt_tokens.inc(prompt_len)
-    return {"sampling": sampling, "max_new_tokens": max_tokens or room, "stop_token_ids": stop_ids}
+    return {
+        "sampling": sampling,
+        "max_new_tokens": room if max_tokens is None else max_tokens,
+        "stop_token_ids": stop_ids,
+    }
 
 
 # Other servers' ways to constrain the output (llama.cpp, vLLM, SGLang, TGI): refused by name, since
@@ -87,11 +96,20 @@ def refuse_unsupported(body) -> None:
                 '{"type": "json_object"} or {"type": "json_schema", ...} (chat completions)',
                 name,
             )
-    if body.n not in (None, 1):
-        raise bad_request("n > 1 is not supported: send n separate requests", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise bad_request(f"{name} is not supported; use repetition_penalty", name)
+    if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if getattr(body, "suffix", None):
+        raise bad_request("suffix is not supported: Gemma has no fill-in-the-middle format", "suffix")
+    best_of = getattr(body, "best_of", None)
+    if best_of not in (None, body.n):
+        raise bad_request(
+            f"best_of={best_of} is not supported: only best_of equal to n ({body.n}), which returns every "
+            "sequence generated (ranking sequences by likelihood is not done here)",
+            "best_of",
+        )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

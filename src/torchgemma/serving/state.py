@@ -152,9 +152,9 @@ class ServerState:
         limit = self.max_prompt_chars
         if limit is not None and chars > limit:
             raise bad_request(
-                f"the prompt has {chars:,} characters: more than {self.context_limit} tokens of prompt and "
-                f"reply together (this server's limit) can hold, since no token covers more than "
-                f"{limit // self.context_limit} characters (refused before tokenizing)",
+                f"This model's maximum context length is {self.context_limit} tokens. However, your "
+                f"prompt has {chars:,} characters, more than that many tokens can hold, since no token "
+                f"covers more than {limit // self.context_limit} characters (refused before tokenizing).",
                 param,
                 "context_length_exceeded",
             )

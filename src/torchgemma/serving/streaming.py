@@ -1,269 +1,153 @@
-"""From a prepared request to OpenAI's reply, streamed or whole: shared by chat and text completions.
+"""From prepared requests to OpenAI's reply, streamed or whole: shared by chat and text completions.
 
-A request's tokens become text through its own stream decoder, then Gemma's reply format becomes
-OpenAI's fields (``replies.ReplyStream``: content, reasoning_content, tool_calls), then user stop
-strings cut the content (``replies.StopStrings``). Streaming and non-streaming responses run the same
-pipeline (``generate``); a non-streaming response is the streamed deltas joined (``collect``).
+A reply has one or more sequences (OpenAI's ``n``; completions' list of prompts times ``n``), each
+run by ``sequences.generate``: the sequences of one prompt share its prefill (the engine forks
+it, ``generation/fork.py``). Streaming and non-streaming responses run the same pipeline; a
+non-streaming response is the streamed deltas joined (``collect_runs``), a stream interleaves the
+sequences' chunks, each with its choice's index.
 
 While a request runs, a task waits for its connection to close, whatever the token rate: a client
-that went away frees its slot at once, streaming or not. Tokens that arrived together (the event
-loop fell behind the engine) are handled in one pass and their text sent as one chunk.
+that went away frees its slots at once, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..replies import Delta, ReplyStream, StopStrings
 from .errors import APIError
 from .metrics import log_request
-from .runner import Busy, Token
+from .runner import Busy
+from .sequences import Outcome, Prepared, Run, watch_disconnect
+from .sequences import generate as generate_run
 from .state import ServerState
 
-DISCONNECT_POLL_SECONDS = 0.2
-# Put in a request's token queue when its client went away.
-DISCONNECTED = object()
-
-
-@dataclass
-class Prepared:
-    """A request, checked and turned into what the engine takes."""
-
-    input_ids: list[int]
-    engine_args: dict[str, Any]
-    stops: list[str]
-    tools: bool = False
-    # Text forced at the start of the reply (tool_choice), fed to the parser before any token.
-    prefix: str = ""
-    logprobs: bool = False
-    # Raw text (completions): no reply parsing, special tokens kept as the model wrote them.
-    raw: bool = False
-    # completions with echo: the prompt's text, given back before the completion.
-    echo: str = ""
-    # The reply's id (chatcmpl-..., cmpl-...), set by respond(): its chunks' and the log line's.
-    ident: str = ""
-    # Set as the reply runs, for usage and the request log: prompt tokens taken from the prefix
-    # cache, tokens generated (once the reply ended), when the first and last tokens arrived
-    # (perf_counter), and why it ended.
-    cached_tokens: int = 0
-    completion_tokens: int | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finish_reason: str | None = None
-
-
-@dataclass
-class Outcome:
-    """What a finished generation produced, accumulated from its deltas."""
-
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    tool_calls: list[dict] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    tokens: int = 0
-    finish_reason: str = "stop"
-
-
-class RawText:
-    """The parser's interface for raw completions: every piece is content, as decoded."""
-
-    stopped = False
-
-    def push(self, piece: str) -> list[Delta]:
-        return [Delta("content", piece)] if piece else []
-
-    def finish(self) -> list[Delta]:
-        return []
-
-
-# ── the token-to-delta loop ─────────────────────────────────────────────────────────────────
-
-
-async def generate(
-    state: ServerState, request: Request | None, prepared: Prepared
-) -> AsyncIterator[tuple[str, Any]]:
-    """("content" | "reasoning", text), ("tool_call", OpenAI dict), ("logprob", entry), and last
-    ("finish", (finish_reason, completion tokens)). ``request``, when given, is watched for the
-    client going away."""
-    runner = state.runner
-    try:
-        request_id, tokens = runner.submit(prepared.input_ids, **prepared.engine_args)
-    except Busy as error:
-        raise APIError(503, f"the server is busy: {error}; retry shortly") from error
-    watcher = None
-    if request is not None:
-        watcher = asyncio.create_task(watch_disconnect(state, request, tokens, request_id))
-    decoder = state.tokenizer.stream_decoder()
-    parser = RawText() if prepared.raw else ReplyStream(tools=prepared.tools)
-    stops = StopStrings(prepared.stops)
-    count, reason, done = 0, "stop", False
-    tool_calls = 0
-
-    def convert(deltas) -> list[tuple[str, Any]]:
-        nonlocal done, tool_calls
-        events = []
-        for delta in deltas:
-            if delta.kind == "tool_call":
-                tool_calls += 1
-                events.append(("tool_call", tool_call_dict(delta.index, delta.tool_call)))
-            elif delta.kind == "reasoning":
-                events.append(("reasoning", delta.text))
-            elif not done:
-                text, stopped = stops.push(delta.text)
-                if text:
-                    events.append(("content", text))
-                done = done or stopped
-        return events
-
-    try:
-        for event in convert(parser.push(prepared.prefix)) if prepared.prefix else []:
-            yield event
-        finished = False
-        while not finished:
-            # Every token already delivered is handled in one pass, and its text leaves as one
-            # event (one chunk, one write): a loop that fell behind catches up in fewer, larger
-            # bursts instead of one per token.
-            batch = [await tokens.get()]
-            while not tokens.empty():
-                batch.append(tokens.get_nowait())
-            prepared.last_token_at = time.perf_counter()
-            if prepared.first_token_at is None:
-                prepared.first_token_at = prepared.last_token_at
-            events: list[tuple[str, Any]] = []
-            for token in batch:
-                if token is DISCONNECTED:
-                    raise asyncio.CancelledError
-                if token is None:
-                    finished = True
-                    break
-                if isinstance(token, Exception):
-                    for event in _merged(events):  # what came before the failure is the client's
-                        yield event
-                    raise APIError(400 if isinstance(token, ValueError) else 500, str(token))
-                if count == 0:
-                    prepared.cached_tokens = token.cached_tokens
-                count += 1
-                if prepared.logprobs and token.logprobs is not None:
-                    events.append(("logprob", logprob_entry(state, token)))
-                piece = (
-                    "" if token.finished and token.finish_reason == "stop" else decoder.push(token.token_id)
-                )
-                events += convert(parser.push(piece))
-                if token.finished:
-                    reason = token.finish_reason or "stop"
-                    finished = True
-                    break
-                if done or parser.stopped:
-                    runner.abort(request_id)
-                    reason = "stop"
-                    finished = True
-                    break
-            for event in _merged(events):
-                yield event
-        tail = "" if done else decoder.flush()
-        for event in convert(parser.push(tail) + parser.finish()):
-            yield event
-        if not done:
-            text = stops.finish()
-            if text:
-                yield "content", text
-        prepared.completion_tokens = count
-        prepared.finish_reason = "tool_calls" if tool_calls else reason
-        yield "finish", (prepared.finish_reason, count)
-    except (asyncio.CancelledError, GeneratorExit):
-        runner.abort(request_id)
-        raise
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-
-
-def _merged(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``events`` with each run of content (or of reasoning) joined into one event."""
-    merged: list[tuple[str, Any]] = []
-    for kind, value in events:
-        if merged and kind in ("content", "reasoning") and merged[-1][0] == kind:
-            merged[-1] = (kind, merged[-1][1] + value)
-        else:
-            merged.append((kind, value))
-    return merged
-
-
-async def watch_disconnect(state: ServerState, request: Request, tokens: asyncio.Queue, request_id) -> None:
-    """Until cancelled (the request ended): wait for the client's connection to close, whatever the
-    token rate (tokens may keep coming for a client long gone); once it is gone, abort the request
-    and wake its reader.
-
-    The server says so by answering ``receive()`` with ``http.disconnect`` (the body has been read:
-    nothing else can come), so the wait costs nothing while the request runs; a server that answered
-    otherwise is asked again every ``DISCONNECT_POLL_SECONDS``. (Polling ``request.is_disconnected()``
-    on a timer instead cost each running request ~0.1 ms of the event loop five times a second, in
-    Python, holding the GIL the engine thread needs.)"""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            state.runner.abort(request_id)
-            tokens.put_nowait(DISCONNECTED)
-            return
-        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
-
-
-def logprob_entry(state: ServerState, token: Token) -> dict:
-    lp = token.logprobs
-
-    def described(token_id: int, logprob: float) -> dict:
-        text = state.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {**described(lp.token_id, lp.logprob), "top_logprobs": [described(t, v) for t, v in lp.top]}
-
-
-def tool_call_dict(index: int, call) -> dict:
-    return {
-        "index": index,
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments_json()},
-    }
+__all__ = ["Outcome", "Prepared", "collect", "completion_logprobs", "generate", "respond", "whole_reply"]
 
 
 def completion_logprobs(entries: list[dict]) -> dict:
+    """Completions' logprobs object; ``text_offset``: where each token's text begins in the choice's
+    text (a token whose bytes complete a character later begins where that character does)."""
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
+        "text_offset": [e["text_offset"] for e in entries],
     }
 
 
 async def respond(
-    state: ServerState, request: Request | None, body, prepared: Prepared, *, chat: bool, whole
+    state: ServerState,
+    request: Request | None,
+    body,
+    prepared: Prepared | list[Prepared],
+    *,
+    chat: bool,
+    whole,
 ) -> dict | StreamingResponse:
-    """A prepared chat or text completion's reply, logged: a stream of chunks when ``body.stream``,
-    else ``whole(state, outcome, prepared)`` once the generation is done."""
-    prepared.ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    log_request(request, prepared)
+    """A prepared chat or text completion's reply (several prompts for completions, each with ``n``
+    sequences), logged: a stream of chunks when ``body.stream``, else ``whole(state, outcome,
+    prepared)``'s reply per sequence joined into one, once they all ended."""
+    prepared = prepared if isinstance(prepared, list) else [prepared]
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    for each in prepared:
+        each.ident, each.endpoint = ident, "chat" if chat else "completion"
+    log_request(request, prepared[0])
+    runs = submit(state, prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(state, request, prepared, chat=chat, include_usage=include_usage)
-    outcome = await collect(state, request, prepared, "chat" if chat else "completion")
-    return whole(state, outcome, prepared)
+        return await stream_response(state, request, runs, chat=chat, include_usage=include_usage)
+    outcomes = await collect_runs(state, request, runs)
+    replies = [whole(state, outcome, run.prepared) for run, outcome in zip(runs, outcomes)]
+    reply = replies[0]
+    reply["choices"] = [{**each["choices"][0], "index": run.index} for run, each in zip(runs, replies)]
+    reply["usage"] = usage(runs)
+    return reply
+
+
+def submit(state: ServerState, prepared: list[Prepared]) -> list[Run]:
+    """Every sequence of the reply handed to the engine: per prompt, its ``n`` sequences, the first
+    prefilling the prompt and the others forked from it (seeded ones with seeds seed, seed + 1, ...).
+    A full waiting room is a 503 (the sequences already queued are withdrawn)."""
+    runs: list[Run] = []
+    try:
+        for each in prepared:
+            if each.engine_args.get("max_new_tokens") == 0:  # completions' echo of the prompt alone
+                runs += [Run(len(runs), each) for _ in range(each.n)]
+                continue
+            requests = [each.engine_args]
+            for i in range(1, each.n):
+                # (A constraint is a Grammar: the engine starts each request's own state of it.)
+                args = dict(each.engine_args)
+                sampling = args["sampling"]
+                if sampling.seed is not None:
+                    args["sampling"] = dataclasses.replace(sampling, seed=sampling.seed + i)
+                requests.append(args)
+            for request_id, tokens in state.runner.submit_fork(each.input_ids, requests):
+                runs.append(Run(len(runs), each, request_id, tokens))
+    except Busy as error:
+        for run in runs:
+            if run.tokens is not None:
+                state.runner.abort(run.request_id)
+        raise APIError(503, f"the server is busy: {error}; retry shortly") from error
+    return runs
 
 
 # ── whole replies ───────────────────────────────────────────────────────────────────────────
 
 
 async def collect(state: ServerState, request: Request | None, prepared: Prepared, endpoint: str) -> Outcome:
+    """One prepared request's sequence, generated and gathered (transcriptions)."""
+    prepared.endpoint = endpoint
+    return (await collect_runs(state, request, submit(state, [prepared])))[0]
+
+
+async def collect_runs(state: ServerState, request: Request | None, runs: list[Run]) -> list[Outcome]:
+    """Every sequence's outcome, the sequences run concurrently; if one fails, the others are
+    aborted and the failure raised."""
+    watcher = None if request is None else asyncio.create_task(watch_disconnect(state, request, runs))
+    tasks = [asyncio.create_task(_outcome(state, run)) for run in runs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        _finished(runs)
+
+
+async def generate(
+    state: ServerState, request: Request | None, prepared: Prepared
+) -> AsyncIterator[tuple[str, Any]]:
+    """One prepared request's single sequence as events (``sequences.generate``'s), submitted here;
+    ``request``, when given, is watched for the client going away. For endpoints that shape their
+    own reply from the events."""
+    runs = submit(state, [prepared])
+    watcher = None if request is None else asyncio.create_task(watch_disconnect(state, request, runs))
+    try:
+        async for event in generate_run(state, runs[0]):
+            yield event
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        _finished(runs)
+
+
+async def _outcome(state: ServerState, run: Run) -> Outcome:
     outcome = Outcome()
-    async for kind, value in generate(state, request, prepared):
+    async for kind, value in generate_run(state, run):
         if kind == "content":
             outcome.content.append(value)
         elif kind == "reasoning":
@@ -274,8 +158,15 @@ async def collect(state: ServerState, request: Request | None, prepared: Prepare
             outcome.logprobs.append(value)
         elif kind == "finish":
             outcome.finish_reason, outcome.tokens = value
-    state.metrics.requests.labels(endpoint, outcome.finish_reason).inc()
     return outcome
+
+
+def _finished(runs: list[Run]) -> None:
+    """The reply's figures for the request log, on its first prompt's ``Prepared``."""
+    first = runs[0].prepared
+    first.completion_tokens = sum(run.completion_tokens for run in runs)
+    first.cached_tokens = runs[0].cached_tokens
+    first.finish_reason = runs[0].finish_reason
 
 
 def whole_reply(
@@ -289,19 +180,22 @@ def whole_reply(
         "model": state.model_name,
         "system_fingerprint": state.fingerprint,
         "choices": [choice],
-        "usage": usage(prepared, tokens),
+        "usage": usage([Run(0, prepared, completion_tokens=tokens, cached_tokens=prepared.cached_tokens)]),
     }
 
 
-def usage(prepared: Prepared, tokens: int) -> dict:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
-    cache held (counted in ``prompt_tokens`` too, as OpenAI counts them)."""
-    prompt = len(prepared.input_ids)
+def usage(runs: list[Run]) -> dict:
+    """OpenAI's usage object: each prompt counted once, every sequence's tokens;
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held (counted in
+    ``prompt_tokens`` too, as OpenAI counts them)."""
+    prompts = {id(run.prepared): run for run in reversed(runs)}.values()  # each prompt's first run
+    prompt = sum(len(run.prepared.input_ids) for run in prompts)
+    tokens = sum(run.completion_tokens for run in runs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": tokens,
         "total_tokens": prompt + tokens,
-        "prompt_tokens_details": {"cached_tokens": prepared.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(run.cached_tokens for run in prompts)},
     }
 
 
@@ -309,10 +203,10 @@ def usage(prepared: Prepared, tokens: int) -> dict:
 
 
 async def stream_response(
-    state: ServerState, request: Request | None, prepared: Prepared, *, chat: bool, include_usage: bool
+    state: ServerState, request: Request | None, runs: list[Run], *, chat: bool, include_usage: bool
 ) -> StreamingResponse:
     """The reply as server-sent events; errors before the first token are raised, not streamed."""
-    events = stream_chunks(state, request, prepared, chat=chat, include_usage=include_usage)
+    events = stream_chunks(state, request, runs, chat=chat, include_usage=include_usage)
     first = await anext(events)
     return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
 
@@ -337,15 +231,20 @@ class ChunkWriter:
         self._head = json.dumps(head, ensure_ascii=False)[:-1]  # the object left open for "choices"
 
     def __call__(
-        self, delta: dict | None = None, finish: str | None = None, logprobs=None, choices=True
+        self,
+        delta: dict | None = None,
+        finish: str | None = None,
+        logprobs=None,
+        choices=True,
+        index: int = 0,
     ) -> str:
         if not choices:
             return f'data: {self._head}, "choices": []}}\n\n'
         if self.chat:
-            choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": (delta or {}).get("content", ""),
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -354,33 +253,43 @@ class ChunkWriter:
 
 
 async def stream_chunks(
-    state: ServerState, request: Request | None, prepared: Prepared, *, chat: bool, include_usage: bool
+    state: ServerState, request: Request | None, runs: list[Run], *, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per delta, the finish chunk, the usage chunk, [DONE]."""
-    chunk = ChunkWriter(state, chat, prepared.ident)
-    events = generate(state, request, prepared)
-    # Start generating before the response begins, so that a refused request is a plain error.
-    first = await anext(events)
-    yield chunk({"role": "assistant", "content": ""}) if chat else chunk({"content": prepared.echo})
-    pending = [first]
-    outcome_tokens, finish = 0, "stop"
-    endpoint = "chat" if chat else "completion"
+    """Server-sent events: per sequence its first chunk, one chunk per delta (the log probabilities
+    of its tokens in the chunk that carries their text), its finish chunk; then the usage chunk and
+    [DONE]. The sequences' chunks interleave as they come, each with its choice's index."""
+    chunk = ChunkWriter(state, chat, runs[0].prepared.ident)
+    merged = _merge(state, request, runs)
     try:
-        async for event in _chain(pending, events):
-            name, value = event
-            if name == "content":
-                yield chunk({"content": value})
+        # Start generating before the response begins, so that a refused request is a plain error.
+        pending = [await anext(merged)]
+        for run in runs:
+            yield (
+                chunk({"role": "assistant", "content": ""}, index=run.index)
+                if chat
+                else chunk({"content": run.prepared.echo}, index=run.index, logprobs=_echo_logprobs(run))
+            )
+        logprobs: dict[int, list] = {run.index: [] for run in runs}
+
+        def carried(index: int):
+            entries, logprobs[index] = logprobs[index], []
+            if not entries:
+                return None
+            return {"content": entries} if chat else completion_logprobs(entries)
+
+        async for index, (name, value) in _chain(pending, merged):
+            if name == "logprob":
+                logprobs[index].append(value)
+            elif name == "content":
+                yield chunk({"content": value}, logprobs=carried(index), index=index)
             elif name == "reasoning":
-                yield chunk({"reasoning_content": value})
+                yield chunk({"reasoning_content": value}, logprobs=carried(index), index=index)
             elif name == "tool_call":
-                yield chunk({"tool_calls": [value]})
-            elif name == "logprob":
-                yield chunk({}, logprobs={"content": [value]} if chat else completion_logprobs([value]))
+                yield chunk({"tool_calls": [value]}, logprobs=carried(index), index=index)
             elif name == "finish":
-                finish, outcome_tokens = value
+                yield chunk({}, value[0], logprobs=carried(index), index=index)
     except APIError as error:
         # The response has begun: the error goes in the stream, as OpenAI's API sends it.
-        state.metrics.requests.labels(endpoint, "error").inc()
         body = {
             "error": {
                 "message": error.message,
@@ -392,13 +301,57 @@ async def stream_chunks(
         yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
         return
-    state.metrics.requests.labels(endpoint, finish).inc()
-    yield chunk({}, finish)
+    finally:
+        await merged.aclose()
     if include_usage:
         body = json.loads(chunk(choices=False)[len("data: ") :])
-        body["usage"] = usage(prepared, outcome_tokens)
+        body["usage"] = usage(runs)
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _echo_logprobs(run: Run) -> dict | None:
+    entries = run.prepared.prompt_logprobs
+    return None if entries is None else completion_logprobs(entries)
+
+
+async def _merge(
+    state: ServerState, request: Request | None, runs: list[Run]
+) -> AsyncIterator[tuple[int, Any]]:
+    """The sequences' events as they come, as (choice index, event); a sequence's failure is raised
+    (the others are aborted). Closing it aborts what is still running."""
+    events: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(run: Run) -> None:
+        try:
+            async for event in generate_run(state, run):
+                events.put_nowait((run.index, event))
+            events.put_nowait((run.index, ended))
+        except asyncio.CancelledError as error:  # its client went away (or the reply was closed)
+            events.put_nowait((run.index, error))
+            raise
+        except Exception as error:  # noqa: BLE001 - raised by the reader
+            events.put_nowait((run.index, error))
+
+    watcher = None if request is None else asyncio.create_task(watch_disconnect(state, request, runs))
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        running = len(runs)
+        while running:
+            index, event = await events.get()
+            if event is ended:
+                running -= 1
+            elif isinstance(event, BaseException):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        _finished(runs)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
