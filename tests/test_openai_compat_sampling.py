@@ -223,13 +223,14 @@ def test_out_of_range_fields_are_refused_by_name(client, field, value):
 
 
 def test_ranges_edges_and_field_pairs(client):
-    """OpenAI's edges are accepted (temperature 2, top_p 0 and 1, penalties 0); pairs it refuses are
+    """OpenAI's edges are accepted (temperature 2, top_p 0 and 1, penalties 0 and 2); pairs it refuses are
     refused: top_logprobs without logprobs, max_tokens 0 without echo; completions' logprobs <= 20."""
     for fields in (
         dict(temperature=2.0, seed=1),
         dict(top_p=0, temperature=1.0),
         dict(top_p=1),
         dict(presence_penalty=0),
+        dict(presence_penalty=2, frequency_penalty=-2),
     ):
         assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **fields).choices
     top_p_zero = client.chat.completions.create(
@@ -240,7 +241,6 @@ def test_ranges_edges_and_field_pairs(client):
     refusals = (
         (dict(top_logprobs=2), "top_logprobs", "needs logprobs"),
         (dict(max_tokens=0), "max_tokens", "at least 1"),
-        (dict(presence_penalty=1.0), "presence_penalty", "not supported"),
     )
     for fields, param, needle in refusals:
         with pytest.raises(openai.BadRequestError) as error:
@@ -543,3 +543,44 @@ def test_one_sequences_events_for_endpoints_that_shape_their_own_reply(llm):
         assert got[-1] == ("finish", ("stop", count)) and prepared.completion_tokens == count
     finally:
         state.close()
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(client, llm):
+    """Greedy with penalties: each token is the argmax of the model's log-probabilities minus
+    frequency x (times generated so far) minus presence x (generated at all), as OpenAI defines them
+    (checked by token id against the 20 most likely tokens each step reports); the server passes
+    both fields on, and they change the reply."""
+    from torchgemma.generation import Engine
+
+    presence, frequency = 0.7, 1.5
+    engine = Engine(llm.model, max_batch_size=1, max_len=64)
+    params = SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency)
+    engine.add_request(
+        "p", list(range(5, 17)), sampling=params, max_new_tokens=24, stop_token_ids=[], logprobs=20
+    )
+    counts: dict[int, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            scored = {
+                token: logprob - frequency * counts.get(token, 0) - presence * (token in counts)
+                for token, logprob in out.logprobs.top
+            }
+            assert out.token_id in scored and scored[out.token_id] == max(scored.values()), out.token_id
+            counts[out.token_id] = counts.get(out.token_id, 0) + 1
+    assert max(counts.values()) < 24  # not one token over and over
+
+    def reply(**fields):
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=HI,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                **fields,
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert reply(presence_penalty=presence, frequency_penalty=frequency) != reply()

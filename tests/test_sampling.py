@@ -285,3 +285,16 @@ def test_generation_config_ids_fall_back_to_model_config(text_checkpoints):
     assert config.eos_token_ids == model_config.eos_token_id == (1, 106)
     assert config.pad_token_id == 0 and config.bos_token_id == 2
     assert GenerationConfig.from_folder(text_checkpoints["e2b"], model_config).eos_token_ids == (1, 106)
+
+
+def test_presence_and_frequency_penalties_by_hand():
+    """OpenAI's formula on a row worked out by hand: token 1 generated twice, token 3 once."""
+    from torchgemma.generation.sampling import apply_occurrence_penalties
+
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    generated = torch.tensor([[1, 3, 1]])
+    out = apply_occurrence_penalties(logits, generated, presence=0.5, frequency=0.25)
+    assert out.tolist() == [[1.0, 2.0 - 0.5 - 2 * 0.25, 3.0, 4.0 - 0.5 - 0.25]]
+    for name in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: 2.5})

@@ -279,8 +279,8 @@ def test_errors_have_openai_shape(server):
 
     for field, value, needle in (
         ("n", 100, "run at once"),
-        ("presence_penalty", 0.5, "repetition_penalty"),
-        ("frequency_penalty", 0.5, "repetition_penalty"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -2.5, "frequency_penalty"),
         ("response_format", {"type": "json_schema", "json_schema": {}}, "json_schema"),
         ("tool_choice", "required", "needs tools"),
     ):

@@ -77,7 +77,6 @@ def test_invalid_requests_are_refused_before_the_engine(scripted, run):
     assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "model")
     for fields, param, needle in (
         (dict(n=100), "n", "run at once"),
-        (dict(presence_penalty=0.5), "presence_penalty", "repetition_penalty"),
         (dict(response_format={"type": "json_schema"}), "response_format", "json_schema"),
         (dict(tool_choice="required"), "tool_choice", "needs tools"),
         (dict(stop=["x"] * 17), "stop", "at most 16"),

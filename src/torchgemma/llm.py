@@ -15,7 +15,8 @@ images, audio and videos as transformers' processor prepares them; see processin
 replies come out through Gemma's reply grammar (``torchgemma.replies``: thinking, answer, tool calls).
 
 Sampling: ``sampling=SamplingParams(...)``, or its settings by name (``temperature``, ``top_k``,
-``top_p``, ``min_p``, ``repetition_penalty``, ``seed``), with what is left unset taking the
+``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``), with
+what is left unset taking the
 checkpoint's ``generation_config.json`` defaults (Gemma 4: sampling at temperature 1 with top-k 64
 and top-p 0.95). Pass ``temperature=0`` for greedy decoding. ``stop_token_ids`` replaces the
 checkpoint's stop tokens (``[]``: never stop).
@@ -51,7 +52,10 @@ DEFAULT_MAX_NEW_TOKENS = 512
 # bf16 ~18 KiB (15 of its 35 layers own keys); it fills only as prompts are seen.
 DEFAULT_PREFIX_CACHE_GB = 1.0
 # The sampling settings the public methods take by name (folded into one SamplingParams).
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logit_bias")
+SAMPLING_SETTINGS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "logit_bias",
+    "presence_penalty", "frequency_penalty",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

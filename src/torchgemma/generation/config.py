@@ -75,12 +75,15 @@ class GenerationConfig:
         repetition_penalty: float | None = None,
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
     ) -> SamplingParams:
         """Sampling parameters: what the caller set, the checkpoint's defaults for the rest.
 
         Without an explicit temperature the checkpoint's ``do_sample`` decides: its temperature
         when sampling, greedy otherwise. ``temperature=0`` (or below 0.01) is always greedy.
-        ``logit_bias`` (token id -> bias in [-100, 100]) has no checkpoint default.
+        ``logit_bias`` (token id -> bias in [-100, 100]) and OpenAI's ``presence_penalty`` and
+        ``frequency_penalty`` have no checkpoint default.
         """
         if temperature is None:
             temperature = self.temperature if self.do_sample else 0.0
@@ -92,6 +95,8 @@ class GenerationConfig:
             repetition_penalty=self.repetition_penalty if repetition_penalty is None else repetition_penalty,
             seed=seed,
             logit_bias=logit_bias,
+            presence_penalty=presence_penalty or None,
+            frequency_penalty=frequency_penalty or None,
         )
 
 

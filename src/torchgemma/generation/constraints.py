@@ -351,6 +351,7 @@ def constrained_token(
     params: SamplingParams,
     generator: torch.Generator | None,
     history: torch.Tensor | None,
+    generated: torch.Tensor | None = None,
 ) -> tuple[int, bool]:
     """The next token of a constrained request from its logits (1, V), and whether its reply ends
     there (the end token of a constraint given no stop ids). A constraint that allows nothing is a
@@ -364,7 +365,7 @@ def constrained_token(
     the format)."""
     allows = getattr(constraint, "allows", None)
     if params.greedy and allows is not None:
-        scores = process_logits(logits, params, history)
+        scores = process_logits(logits, params, history, generated=generated)
         check_scores(scores)
         token = int(scores[0].argmax())
         if allows(token):
@@ -374,7 +375,7 @@ def constrained_token(
     if not bool(allowed.any()):
         raise ValueError("the constraint allows no token here (and no stop token ends the reply)")
     masked = torch.where(allowed, logits, NEG_INF)
-    token = int(next_token(masked, params, generator=generator, history=history)[0])
+    token = int(next_token(masked, params, generator=generator, history=history, generated=generated)[0])
     constraint.advance(token)
     return token, bool(getattr(constraint, "ended", False))
 

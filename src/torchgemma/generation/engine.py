@@ -340,18 +340,26 @@ class Engine:
                     f"at its token {len(request.output)}: its weights or activations are broken "
                     "(a checkpoint with NaN or inf values, or a dtype that overflows)"
                 )
-            history = None
+            history = generated = None
             if request.params.repetition_penalty not in (None, 1.0):
                 history = torch.tensor([request.prompt + request.output], device=logits.device)
+            if request.params.penalizes_output:
+                generated = torch.tensor([request.output], dtype=torch.long, device=logits.device)
             if request.constraint is not None:
                 token, ended = constrained_token(
-                    request.constraint, logits, request.params, request.generator, history
+                    request.constraint, logits, request.params, request.generator, history, generated
                 )
                 if ended:  # the end token of a constraint given no stop ids
                     request.finish_reason = "stop"
             else:
                 token = int(
-                    next_token(logits, request.params, generator=request.generator, history=history)[0]
+                    next_token(
+                        logits,
+                        request.params,
+                        generator=request.generator,
+                        history=history,
+                        generated=generated,
+                    )[0]
                 )
             if request.logprobs is not None:
                 logprobs = _logprobs(logits[0], token, request.logprobs)
@@ -466,6 +474,7 @@ class Engine:
             if self.greedy_head
             and r.params.greedy
             and r.params.repetition_penalty in (None, 1.0)
+            and not r.params.penalizes_output
             and not r.params.logit_bias
             and r.constraint is None
             and r.logprobs is None

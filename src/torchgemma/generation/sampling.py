@@ -3,8 +3,9 @@
 Each filter has the semantics of the transformers 5.23 logits processor of the same purpose
 (``generation/logits_process.py``) and ``next_token`` applies them in the order transformers'
 ``generate`` builds them: logit bias (``SequenceBiasLogitsProcessor``'s place), repetition penalty
-(both also apply to greedy decoding), then, when sampling, temperature, top-k, top-p and min-p, then
-a multinomial draw from the softmax. Logits are processed in float32, as transformers casts them
+(both also apply to greedy decoding), OpenAI's presence and frequency penalties (over the generated
+tokens, as OpenAI and vLLM define them; transformers has none), then, when sampling, temperature,
+top-k, top-p and min-p, then a multinomial draw from the softmax. Logits are processed in float32, as transformers casts them
 before its processors.
 """
 
@@ -30,6 +31,8 @@ MAX_LOGIT_BIAS = 100.0
 # A repetition penalty further from 1 than this only saturates (a seen token becomes certain or
 # impossible); near 0 or infinity it overflows float32 logits to inf (transformers only asks > 0).
 MAX_REPETITION_PENALTY = 100.0
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_OCCURRENCE_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class SamplingParams:
     (each row of a batch) its own generator, so it draws what it would draw alone; None draws from
     torch's global RNG. ``logit_bias`` maps token ids to a bias in [-100, 100] added to their logits
     before anything else (OpenAI's field; -100 bans the token); it is kept as sorted (id, bias)
-    pairs. ``GenerationConfig.sampling`` fills what a caller leaves unset from a checkpoint's
+    pairs. ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract from a
+    token's logit once if it was generated already, and once per time it was. ``GenerationConfig.sampling`` fills what a caller leaves unset from a checkpoint's
     defaults.
 
     Every value that could turn finite logits into NaN or inf is refused here, with the field's name.
@@ -55,6 +59,8 @@ class SamplingParams:
     repetition_penalty: float | None = None
     seed: int | None = None
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -78,6 +84,15 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias) or None)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -MAX_OCCURRENCE_PENALTY <= value <= MAX_OCCURRENCE_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {value}")
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether the generated tokens change the scores (presence or frequency penalty)."""
+        return bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +152,19 @@ def apply_repetition_penalty(
     return torch.where(seen[:, :vocab], penalised, logits)
 
 
+def apply_occurrence_penalties(
+    logits: torch.Tensor, generated: torch.Tensor, presence: float | None, frequency: float | None
+) -> torch.Tensor:
+    """OpenAI's penalties: each token's logit minus ``frequency`` times the number of times it is in
+    ``generated`` (B, S), minus ``presence`` if it is there at all."""
+    vocab = logits.shape[-1]
+    counts = torch.zeros(logits.shape[0], vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, generated.clamp(max=vocab), torch.ones_like(generated, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    penalty = counts * (frequency or 0.0) + (counts > 0).to(logits.dtype) * (presence or 0.0)
+    return logits - penalty
+
+
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature
 
@@ -176,8 +204,11 @@ def process_logits(
     params: SamplingParams,
     history: torch.Tensor | None = None,
     history_mask: torch.Tensor | None = None,
+    generated: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The scores ``next_token`` draws from: float32 logits after every active filter, in order."""
+    """The scores ``next_token`` draws from: float32 logits after every active filter, in order.
+    ``history`` (B, S): prompt and generated tokens (the repetition penalty's); ``generated``: the
+    generated ones alone (the presence and frequency penalties')."""
     scores = logits.float()
     if params.logit_bias:
         scores = apply_logit_bias(scores, params.logit_bias)
@@ -185,6 +216,12 @@ def process_logits(
         if history is None:
             raise ValueError("repetition_penalty needs the token history")
         scores = apply_repetition_penalty(scores, history, params.repetition_penalty, history_mask)
+    if params.penalizes_output:
+        if generated is None:
+            raise ValueError("presence_penalty and frequency_penalty need the generated tokens")
+        scores = apply_occurrence_penalties(
+            scores, generated, params.presence_penalty, params.frequency_penalty
+        )
     if params.greedy:
         return scores
     if params.temperature != 1.0:
@@ -205,13 +242,14 @@ def next_token(
     generator: torch.Generator | None = None,
     history: torch.Tensor | None = None,
     history_mask: torch.Tensor | None = None,
+    generated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row (B,): the argmax when greedy, else a draw with ``generator``.
 
     Without a generator the draw uses torch's global RNG, so ``torch.manual_seed(s)`` before
     transformers' ``generate`` and ``generator = torch.Generator().manual_seed(s)`` here draw alike.
     """
-    scores = process_logits(logits, params, history, history_mask)
+    scores = process_logits(logits, params, history, history_mask, generated)
     check_scores(scores)
     if params.greedy:
         return scores.argmax(dim=-1)

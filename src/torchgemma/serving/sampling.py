@@ -58,6 +58,8 @@ def sampling_args(
             repetition_penalty=body.repetition_penalty,
             seed=body.seed,
             logit_bias=bias,
+            presence_penalty=getattr(body, "presence_penalty", None),
+            frequency_penalty=getattr(body, "frequency_penalty", None),
         )
     except ValueError as error:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
@@ -96,9 +98,6 @@ def refuse_unsupported(body) -> None:
                 '{"type": "json_object"} or {"type": "json_schema", ...} (chat completions)',
                 name,
             )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported; use repetition_penalty", name)
     if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if getattr(body, "suffix", None):
