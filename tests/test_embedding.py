@@ -427,13 +427,67 @@ def test_server_embeddings_as_openai_clients_call_them(folders):
         first = st.encode(TEXTS[0], convert_to_tensor=True, truncate_dim=8)
         assert (torch.tensor(short["data"][0]["embedding"]) - first).abs().max().item() <= 1e-5
         for body, words in [
-            ({"input": [[5, 6, 7]]}, "not token ids"),
+            ({"input": [[5, 6, 7], "x"]}, "Input should be a valid"),
             ({"input": []}, "input is empty"),
             ({"input": "x", "dimensions": 10_000}, "dimensions must be in 1.."),
             ({"input": "x", "prompt_name": "nope"}, "unknown prompt_name 'nope'"),
         ]:
             answer = httpx.post(f"{url}/v1/embeddings", json=body)
             assert answer.status_code == 400 and words in answer.json()["error"]["message"], body
+
+
+def test_server_embeds_token_ids(folders):
+    """Token ids (a list, or a list of lists, as langchain's OpenAIEmbeddings sends them) are the
+    decoder's whole input: the ids sentence-transformers' own tokenizer writes for a text (its
+    prompt and special tokens included) give sentence-transformers' vector of that text."""
+    import httpx
+    import openai
+
+    from serving_fixtures import running_server
+    from torchgemma.serving.app import create_app
+
+    for name, prompt in (("embeddinggemma", "query"), ("variant", None)):
+        folder = folders[name]
+        st = reference(folder)
+        before = PROMPTS[prompt] if prompt else ""
+        # ("variant": the prompt left out of the mean, a token limit: ids of the text alone, cut as
+        # sentence-transformers cuts them.)
+        rows = [st.tokenize([before + text])["input_ids"][0].tolist() for text in TEXTS]
+        theirs = st.encode(
+            TEXTS, convert_to_tensor=True, **({"prompt_name": prompt} if prompt else {"prompt": ""})
+        )
+        llm = LLM(folder, progress=False)
+        with running_server(create_app(llm, model_name="emb", max_batch_size=2, max_len=64)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            reply = client.embeddings.create(model="emb", input=rows)
+            ours = torch.tensor([item.embedding for item in reply.data])
+            assert (ours - theirs).abs().max().item() <= 1e-5, name
+            assert reply.usage.prompt_tokens == sum(len(row) for row in rows)
+            one = client.embeddings.create(model="emb", input=rows[0]).data[0].embedding
+            assert (torch.tensor(one) - theirs[0]).abs().max().item() <= 1e-5
+            vocab = llm.model.config.text.vocab_size
+            for body, param, words in [
+                (
+                    {"input": [[1, 2], [3, vocab]]},
+                    "input",
+                    f"input[1] has token id {vocab}, outside the vocabulary",
+                ),
+                ({"input": [-1]}, "input", "token id -1"),
+                ({"input": [[]]}, "input", "empty list of token ids"),
+                ({"input": [[5, 6]], "prompt_name": "query"}, "input", "prompt_name applies to text input"),
+            ]:
+                answer = httpx.post(f"{url}/v1/embeddings", json=body)
+                error = answer.json()["error"]
+                assert answer.status_code == 400 and words in error["message"] and error["param"] == param, (
+                    body
+                )
+    # A row longer than the head's limit is cut to it, as a text's tokens are.
+    head = llm.sentence_head
+    long = [2] + [100 + i for i in range(head.max_length + 5)]
+    with running_server(create_app(llm, model_name="emb", max_batch_size=2, max_len=64)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        cut, whole = client.embeddings.create(model="emb", input=[long[: head.max_length], long]).data
+    assert cut.embedding == whole.embedding
 
 
 def test_a_generative_checkpoint_does_not_embed(llm_checkpoint):  # noqa: F811

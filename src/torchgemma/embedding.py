@@ -18,7 +18,7 @@ vectors equal ``SentenceTransformer(folder).encode(texts, ...)`` (tests/test_emb
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -433,8 +433,6 @@ def embed_texts(
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a str")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if truncate_dim is not None and not 0 < truncate_dim <= head.dimension:
         raise ValueError(f"truncate_dim must be in 1..{head.dimension}, got {truncate_dim}")
     before = head.prompt(prompt_name, prompt)
@@ -443,21 +441,85 @@ def embed_texts(
         # The prompt's own tokens, less a special token the tokenizer ends every text with.
         ids = _token_ids(tokenizer, before, head.max_length)
         prompt_length = len(ids) - (1 if ids and ids[-1] in tokenizer.special_ids else 0)
+    # sentence-transformers' order (numpy's argsort of minus the character counts), so that the
+    # batches, and so the vectors, are the same to the bit.
+    order = [int(i) for i in np.argsort([-len(text) for text in texts])]
+    vectors = _embed_rows(
+        model,
+        tokenizer,
+        head,
+        lambda i: _token_ids(tokenizer, before + texts[i], head.max_length),
+        order,
+        batch_size=batch_size,
+        truncate_dim=truncate_dim,
+        prompt_length=prompt_length,
+        name="texts",
+    )
+    return vectors[0] if single else vectors
+
+
+def embed_token_ids(
+    model: Gemma,
+    tokenizer: Tokenizer,
+    head: SentenceHead,
+    rows: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 32,
+    truncate_dim: int | None = None,
+) -> torch.Tensor:
+    """Sentence vectors (N, D) of token-id rows, each taken as the decoder's whole input (as vLLM and
+    llama.cpp take them): no task prompt and no special token added; a row longer than the head's
+    ``max_length`` is cut to it, as a text's tokens are. Ids must be in the model's vocabulary."""
+    rows = [list(row) for row in rows]
+    if truncate_dim is not None and not 0 < truncate_dim <= head.dimension:
+        raise ValueError(f"truncate_dim must be in 1..{head.dimension}, got {truncate_dim}")
+    vocab = model.config.text.vocab_size
+    for i, row in enumerate(rows):
+        outside = next((t for t in row if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise ValueError(f"input[{i}] has token id {outside}, outside the vocabulary [0, {vocab})")
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    return _embed_rows(
+        model,
+        tokenizer,
+        head,
+        lambda i: rows[i][: head.max_length],
+        order,
+        batch_size=batch_size,
+        truncate_dim=truncate_dim,
+        prompt_length=0,
+        name="input",
+    )
+
+
+def _embed_rows(
+    model: Gemma,
+    tokenizer: Tokenizer,
+    head: SentenceHead,
+    ids_of: Callable[[int], list[int]],
+    order: list[int],
+    *,
+    batch_size: int,
+    truncate_dim: int | None,
+    prompt_length: int,
+    name: str,
+) -> torch.Tensor:
+    """(N, D): row ``i``'s ids from ``ids_of(i)``, read ``batch_size`` rows at a time in ``order``,
+    right-padded; positions count each row's own tokens."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     pad = tokenizer.special_tokens.get("pad_token")
     pad_id = 0 if pad is None else tokenizer.token_id(pad)
     device = model.device
-    vectors: list[torch.Tensor | None] = [None] * len(texts)
-    # sentence-transformers' order (numpy's argsort of minus the character counts), so that the
-    # batches, and so the vectors, are the same to the bit.
-    order = np.argsort([-len(text) for text in texts])
+    vectors: list[torch.Tensor | None] = [None] * len(order)
     with torch.inference_mode():
-        for start in range(0, len(texts), batch_size):
-            rows = [int(i) for i in order[start : start + batch_size]]
-            ids = [_token_ids(tokenizer, before + texts[i], head.max_length) for i in rows]
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            ids = [ids_of(i) for i in rows]
             for i, row in zip(rows, ids):
                 if not row:
-                    raise ValueError(f"texts[{i}] has no tokens")
-                check_embedding_rows([row], tokenizer, model.config.text.vocab_size, f"texts[{i}]")
+                    raise ValueError(f"{name}[{i}] has no tokens")
+                check_embedding_rows([row], tokenizer, model.config.text.vocab_size, f"{name}[{i}]")
             input_ids, mask = _right_pad(ids, pad_id, device)
             states = model.language_model(input_ids, attention_mask=mask, head=False)  # (B, T, H)
             batch = head(states, mask, prompt_length)  # (B, D)
@@ -467,8 +529,7 @@ def embed_texts(
                 vectors[i] = vector
     if not vectors:
         return torch.empty((0, truncate_dim or head.dimension), dtype=model.dtype, device=device)
-    out = torch.stack(vectors)
-    return out[0] if single else out
+    return torch.stack(vectors)
 
 
 def token_counts(

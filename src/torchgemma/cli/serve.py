@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .chat import read_template
 from .common import CLIError, importable, load_llm, prepare
 from .options import add_model_flags, float_where, int_at_least
 
@@ -79,6 +80,7 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
+    add_api_flags(serve)
     add_limit_flags(serve)
     hygiene = serve.add_argument_group("hosts and logs")
     hygiene.add_argument(
@@ -90,12 +92,40 @@ def add_parser(commands) -> None:
         "rebinding), any name otherwise",
     )
     hygiene.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="comma-separated web origins (https://app.example.com; '*': any) whose pages may call the "
+        "API from a browser (CORS, preflight included). Default: none, no CORS headers",
+    )
+    hygiene.add_argument(
         "--log-prompts",
         action="store_true",
         help="add each request's prompt (its first 2000 characters) to its log line; by default a "
         "line has the method, path, status, time and token counts, never the prompt",
     )
     serve.set_defaults(func=run, parser=serve, quiet=False, verbose=False)
+
+
+def add_api_flags(serve) -> None:
+    """The chat template and the Responses API's store."""
+    api = serve.add_argument_group("chat and responses")
+    api.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the checkpoint's (e.g. so that a base model or a "
+        "GGUF without one can serve chat)",
+    )
+    api.add_argument(
+        "--responses-store",
+        type=int_at_least(0),
+        default=64,
+        metavar="N",
+        help="/v1/responses replies kept in memory for previous_response_id and GET /v1/responses/{id} "
+        "(the oldest dropped first; each holds its conversation, images included; 0 keeps none) "
+        "(default: 64)",
+    )
 
 
 def add_limit_flags(serve) -> None:
@@ -175,7 +205,13 @@ def run(args: argparse.Namespace) -> int:
 
     api_key = read_api_key(args)
     allowed_hosts = allowed_host_names(args)
+    allowed_origins = [origin.strip() for origin in (args.allowed_origins or "").split(",") if origin.strip()]
+    if args.allowed_origins is not None and not allowed_origins:
+        raise CLIError("--allowed-origins is empty (give '*' to allow any origin)")
+    template = read_template(args.chat_template) if args.chat_template else None
     llm = load_llm(args)
+    if template is not None:
+        llm.tokenizer.chat_template = template
     name = args.served_model_name or str(args.model)
     limits = Limits(
         max_request_bytes=args.max_request_bytes,
@@ -197,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         prefix_cache_gb=args.prefix_cache_gb,
         prefill_chunk=args.prefill_chunk,
+        allowed_origins=allowed_origins or None,
+        responses_store=args.responses_store,
     )
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)

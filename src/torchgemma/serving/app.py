@@ -3,18 +3,23 @@
     POST /v1/chat/completions       chat.py         messages (text, images, audio), tools, thinking
     POST /v1/completions            completions.py  a raw prompt
     POST /v1/audio/transcriptions   audio.py        an uploaded clip (checkpoints with an audio tower)
-    POST /v1/embeddings             embeddings.py   sentence embeddings
-    GET  /v1/models  /health  /metrics  /   (the last: a chat page)
+    POST /v1/embeddings             embeddings.py   sentence embeddings (text or token ids)
+    POST /v1/responses              responses.py    OpenAI's Responses API, over the chat path
+    GET  /v1/responses/{id}  DELETE /v1/responses/{id}   stored responses
+    GET  /v1/models  /v1/models/{id}  /health  /metrics  /   (the last: a chat page)
 
 Each route reads its request and calls its endpoint's handler with the server's state
-(``state.ServerState``); errors have OpenAI's shape. Before any route, ``Guard`` checks what needs
-no body: the Host header, the API key, an endpoint the model cannot serve, and the body's size as it
-is read; then it writes the request's log line.
+(``state.ServerState``); errors have OpenAI's shape. Before any route, ``Guard`` gives the request
+its id (the client's ``x-request-id`` or a new one, sent back on every response), answers CORS
+(``allowed_origins``), and checks what needs no body: the Host header, the API key, an endpoint the
+model cannot serve, and the body's size as it is read; then it writes the request's log line.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
+import uuid
 from collections.abc import Sequence
 from importlib import resources
 from typing import Annotated
@@ -23,6 +28,7 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..generation.engine import Engine
 from ..llm import LLM
@@ -34,7 +40,8 @@ from .embeddings import create_embedding, no_sentence_head
 from .errors import RETRY_AFTER_SECONDS, APIError, bad_request
 from .limits import Limits
 from .metrics import RequestLog, logger
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest
+from .responses import create_response, delete_response, retrieve_response
 from .state import ServerState
 
 # Open without the API key: the health check and the (static) chat page, which sends the key itself.
@@ -55,6 +62,8 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     log_prompts: bool = False,
     prefix_cache_gb: float = 1.0,
+    allowed_origins: Sequence[str] | None = None,
+    responses_store: int = 64,
 ) -> FastAPI:
     """The server's application: ``uvicorn.run(create_app(llm, model_name=...))``.
 
@@ -65,6 +74,9 @@ def create_app(
     (``torchgemma serve`` allows only loopback names when bound to loopback). Each request is logged
     at INFO on the ``torchgemma.serving`` logger; its prompt too with ``log_prompts``.
     ``prefix_cache_gb``: GiB of the prefix cache the requests share (0: none; see ``ServerState.build``).
+    ``allowed_origins``: the web origins a browser page may call the API from (CORS; ``"*"`` any),
+    None or empty for no CORS headers at all. ``responses_store``: how many /v1/responses replies
+    are kept for ``previous_response_id`` and GET (the oldest dropped first; 0 keeps none).
     """
     state = ServerState.build(
         llm,
@@ -77,6 +89,7 @@ def create_app(
         engine=engine,
         limits=limits,
         prefix_cache_gb=prefix_cache_gb,
+        responses_store=responses_store,
     )
     app = FastAPI(title="torchgemma", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -85,7 +98,13 @@ def create_app(
     app.on_event("shutdown")(state.close)
     _add_error_handling(app, state)
     _add_routes(app, state)
-    app.add_middleware(Guard, state=state, allowed_hosts=allowed_hosts, log_prompts=log_prompts)
+    app.add_middleware(
+        Guard,
+        state=state,
+        allowed_hosts=allowed_hosts,
+        log_prompts=log_prompts,
+        allowed_origins=allowed_origins,
+    )
     return app
 
 
@@ -107,6 +126,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         language: Annotated[str | None, Form()] = None,
         response_format: Annotated[str, Form()] = "json",
         temperature: Annotated[float, Form()] = 0.0,
+        timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
     ):
         return await create_transcription(
             state,
@@ -116,6 +136,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             language=language,
             response_format=response_format,
             temperature=temperature,
+            timestamp_granularities=timestamp_granularities,
             request=request,
         )
 
@@ -123,9 +144,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def embeddings(body: EmbeddingRequest):
         return await create_embedding(state, body)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return retrieve_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget_response(response_id: str):
+        return delete_response(state, response_id)
+
     @app.get("/v1/models")
     async def models():
         return list_models(state)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return model_entry(state, model_id)
 
     @app.get("/health")
     async def health():
@@ -145,8 +182,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def list_models(state: ServerState) -> dict:
-    entry = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "torchgemma"}
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [model_entry(state, state.model_name)]}
+
+
+def model_entry(state: ServerState, model_id: str) -> dict:
+    """GET /v1/models/{id}: the served model's entry; any other id is a 404 in OpenAI's shape.
+    (``:path`` in the route: a served name may hold '/', as a checkpoint's folder does.)"""
+    if model_id != state.model_name:
+        raise APIError(
+            404,
+            f"the model {model_id!r} does not exist here; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "torchgemma"}
 
 
 def _add_error_handling(app: FastAPI, state: ServerState) -> None:
@@ -175,9 +224,20 @@ def _add_error_handling(app: FastAPI, state: ServerState) -> None:
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
+# A request id the client gives (x-request-id) is echoed when it is this plain: it goes into a
+# response header and the log line as it is.
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
+
+
 class Guard:
-    """ASGI middleware in front of every route: the request log, then the Host header, the API key,
-    endpoints the model cannot serve, and the body-size cap, each answered before the body is read.
+    """ASGI middleware in front of every route: the request's id and log line, CORS, then the Host
+    header, the API key, endpoints the model cannot serve, and the body-size cap, each answered
+    before the body is read.
+
+    Every response carries ``x-request-id``: the client's (1-200 visible ASCII characters; anything
+    else is a 400) or a new one; the log line ends with it. With ``allowed_origins``, Starlette's
+    ``CORSMiddleware`` answers preflights (no API key needed: browsers send none there) and adds
+    the CORS headers to every answer, refusals included, so that a page can read a 401's message.
 
     The body is read here, counted as it arrives (a chunked body has no Content-Length), at most
     ``limits.max_request_bytes``; beyond that, or when Content-Length says so first, the answer is
@@ -185,11 +245,29 @@ class Guard:
     memory, as they would have read it anyway.
     """
 
-    def __init__(self, app, *, state: ServerState, allowed_hosts: Sequence[str] | None, log_prompts: bool):
+    def __init__(
+        self,
+        app,
+        *,
+        state: ServerState,
+        allowed_hosts: Sequence[str] | None,
+        log_prompts: bool,
+        allowed_origins: Sequence[str] | None = None,
+    ):
         self.app, self.state, self.log_prompts = app, state, log_prompts
         self.allowed_hosts = None if allowed_hosts is None else [h.lower().strip("[]") for h in allowed_hosts]
         if self.allowed_hosts is not None and "*" in self.allowed_hosts:
             self.allowed_hosts = None
+        self.checked = self._checked
+        if allowed_origins:
+            self.checked = CORSMiddleware(
+                self._checked,
+                allow_origins=list(allowed_origins),
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                # The OpenAI SDKs send their own x-stainless-* headers from a browser too.
+                allow_headers=["*"],
+                expose_headers=["x-request-id", "Retry-After"],
+            )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -197,21 +275,38 @@ class Guard:
         client = scope.get("client")
         log = RequestLog(scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else "-")
         scope["torchgemma.log"] = log
+        given = dict(scope["headers"]).get(b"x-request-id")
+        given = given.decode("latin-1") if given is not None else None
+        request_id = given if given is not None and REQUEST_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+        scope["torchgemma.request_id"] = request_id
 
         async def logged_send(message):
             if message["type"] == "http.response.start":
                 log.status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
-            if refusal is not None:
+            if given is not None and request_id != given:
+                refusal = bad_request(
+                    "the x-request-id header must be 1-200 visible ASCII characters (no spaces)",
+                    "x-request-id",
+                )
                 return await refusal.response()(scope, receive, logged_send)
-            body = await self._read_body(scope, receive, logged_send)
-            if body is not None:
-                await self.app(scope, _replay(body, receive), logged_send)
+            await self.checked(scope, receive, logged_send)
         finally:
-            logger.info(log.line(self.state.tokenizer if self.log_prompts else None))
+            logger.info(
+                f"{log.line(self.state.tokenizer if self.log_prompts else None)} request_id={request_id}"
+            )
+
+    async def _checked(self, scope, receive, send):
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal.response()(scope, receive, send)
+        body = await self._read_body(scope, receive, send)
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, scope) -> APIError | None:
         headers = dict(scope["headers"])

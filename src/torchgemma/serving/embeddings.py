@@ -1,4 +1,9 @@
-"""POST /v1/embeddings: sentence embeddings (checkpoints with sentence-transformers modules)."""
+"""POST /v1/embeddings: sentence embeddings (checkpoints with sentence-transformers modules).
+
+``input`` is text (a string or a list of them) or token ids (a list of ints, or a list of such
+lists): ids are this model's own, taken as the whole input (no task prompt, no special token
+added), as vLLM and llama.cpp take them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import asyncio
 import base64
 from typing import Any
 
-from ..embedding import token_counts
+from ..embedding import embed_token_ids, token_counts
 from .errors import APIError, bad_request
 from .protocol import EmbeddingRequest
 from .state import ServerState
@@ -29,8 +34,11 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise bad_request("input is empty", "input")
-    if not all(isinstance(text, str) for text in texts):
-        raise bad_request("input must be text (a string or a list of strings), not token ids", "input")
+    # (A mix of text and ids is refused by the request's schema.)
+    if isinstance(texts[0], int):  # one row of token ids
+        texts = [texts]
+    if any(isinstance(row, list) and not row for row in texts):
+        raise bad_request("input has an empty list of token ids", "input")
     head = llm.sentence_head
     if body.dimensions is not None and not 0 < body.dimensions <= head.dimension:
         raise bad_request(f"dimensions must be in 1..{head.dimension}", "dimensions")
@@ -39,7 +47,7 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
         # own engine thread.
         async with state.embedding_lock:
             counts, vectors = await asyncio.to_thread(_embed, llm, head, texts, body)
-    except ValueError as error:  # an unknown prompt_name, a text with no tokens
+    except ValueError as error:  # an unknown prompt_name, a text with no tokens, an id outside the vocabulary
         raise bad_request(str(error), "input") from error
     vectors = vectors.float().cpu()
     data = []
@@ -53,6 +61,11 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
     return {"object": "list", "data": data, "model": state.model_name, "usage": usage}
 
 
-def _embed(llm, head, texts: list[str], body: EmbeddingRequest):
+def _embed(llm, head, texts: list[str] | list[list[int]], body: EmbeddingRequest):
+    if isinstance(texts[0], list):
+        if body.prompt_name is not None:
+            raise ValueError("prompt_name applies to text input: token ids are embedded as given")
+        vectors = embed_token_ids(llm.model, llm.tokenizer, head, texts, truncate_dim=body.dimensions)
+        return [min(len(row), head.max_length) for row in texts], vectors
     counts = token_counts(llm.tokenizer, head, texts, prompt_name=body.prompt_name)
     return counts, llm.embed(texts, prompt_name=body.prompt_name, truncate_dim=body.dimensions)

@@ -156,3 +156,46 @@ class EmbeddingRequest(_Model):
     # Vendor extra (extra_body): a task prompt of the checkpoint's config_sentence_transformers.json
     # (EmbeddingGemma: "query", "document", ...); without it, the checkpoint's default prompt.
     prompt_name: str | None = None
+
+
+# ── /v1/responses ───────────────────────────────────────────────────────────────────────────
+
+
+class ResponsesReasoning(_Model):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesText(_Model):
+    # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", ...}
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Model):
+    """OpenAI's Responses API request. ``input``'s items and ``tools`` are read by
+    ``responses.chat_request`` (a 400 naming the item that is not understood); other vendor fields
+    (top_k, seed, stop, ...) are kept and handed to the chat path, which checks them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    reasoning: ResponsesReasoning | None = None
+    text: ResponsesText | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None

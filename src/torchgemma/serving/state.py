@@ -9,6 +9,7 @@ import asyncio
 import functools
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,32 @@ from .metrics import Metrics
 from .runner import EngineRunner
 
 T = TypeVar("T")
+
+
+class ResponseStore:
+    """The last ``capacity`` /v1/responses replies (``store`` true), for ``previous_response_id``
+    and GET/DELETE /v1/responses/{id}: in memory, the oldest dropped first, gone on restart.
+
+    Each entry: the response object as sent and the conversation it ends (the chat messages of its
+    input, its predecessors' included, and its output as an assistant turn)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        if self.capacity <= 0:
+            return
+        self._entries[response["id"]] = (response, conversation)
+        self._entries.move_to_end(response["id"])
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
 
 
 @dataclass
@@ -45,6 +72,8 @@ class ServerState:
     # Requests waiting for a slot (the runner's limit), also the bound on requests queued to be
     # prepared: beyond it a request is a 503 before its body is worked on.
     max_waiting: int = 64
+    # /v1/responses replies kept for previous_response_id (ServerState.build's responses_store).
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(64))
     # One embedding batch at a time, off the event loop; generation keeps its own engine thread.
     embedding_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Where requests are prepared (template, tokenizer, media): off the event loop, so that /health
@@ -66,13 +95,15 @@ class ServerState:
         engine: Engine | None = None,
         limits: Limits | None = None,
         prefix_cache_gb: float = 1.0,
+        responses_store: int = 64,
     ) -> ServerState:
         """Start the engine thread over ``llm.model`` (or over ``engine``, whose ``max_len`` then
         sets the limit, and whose own ``prefix_cache``, if any, is reported).
 
         ``prefix_cache_gb``: GiB of a prefix cache the requests share (``PrefixCache``: a prompt
         that begins as an earlier one did prefills only the rest, with the same results); 0 turns it
-        off. Its own store, not ``llm.prefix_cache``: that one is the library's, for ``LLM``'s calls."""
+        off. Its own store, not ``llm.prefix_cache``: that one is the library's, for ``LLM``'s calls.
+        ``responses_store``: how many /v1/responses replies are kept (``ResponseStore``)."""
         prefix_cache = prefix_cache_of(prefix_cache_gb)
         if engine is None:
             engine = Engine(
@@ -111,6 +142,7 @@ class ServerState:
             chat_stops=list(dict.fromkeys([*llm.generation_config.eos_token_ids, *turn_end])),
             limits=limits or Limits(),
             max_waiting=max_waiting,
+            responses=ResponseStore(responses_store),
         )
         _ = state.max_prompt_chars  # read the vocabulary now, not on the first request's event loop
         return state
