@@ -20,6 +20,7 @@ import openai
 import pytest
 import torch
 from PIL import Image
+from pydantic import BaseModel
 
 from serving_fixtures import ScriptedEngine, running_server
 from torchgemma.generation.constraints import JSONObject
@@ -346,20 +347,42 @@ def test_text_format_goes_to_the_chat_path(scripted):
         response.output_text
     ) == {"a": 1}
     assert response.text.format.type == "json_object"
+    # json_schema: the same request through chat completions and through /v1/responses is either
+    # refused by the chat path with the same message (before the constraint engine), or enforced
+    # with the same kind of constraint, and then responses.parse gives the object.
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
     fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
-    calls = len(engine.prompts)
-    with pytest.raises(openai.BadRequestError, match="json_schema") as error:
-        client.responses.create(model=MODEL, input="JSON please", text={"format": fmt})
-    assert error.value.body["param"] == "response_format" and len(engine.prompts) == calls
 
-    from pydantic import BaseModel
+    def attempt(call):
+        engine.replies.append('{"a": 1}')
+        try:
+            return "ok", call(), type(engine.arguments[-1].get("constraint"))
+        except openai.BadRequestError as error:
+            engine.replies.pop()  # never reached the engine
+            return "refused", error.body, None
 
-    class Thing(BaseModel):
-        a: int
+    prompt = [{"role": "user", "content": "JSON please"}]
+    chat = attempt(
+        lambda: client.chat.completions.create(model=MODEL, messages=prompt, response_format=chat_format)
+    )
+    ours = attempt(lambda: client.responses.create(model=MODEL, input="JSON please", text={"format": fmt}))
+    assert chat[0] == ours[0]
+    if chat[0] == "refused":
+        assert chat[1]["message"] == ours[1]["message"] and "json_schema" in ours[1]["message"]
+        assert ours[1]["param"] == "text.format"
+        with pytest.raises(openai.BadRequestError, match="json_schema"):
+            client.responses.parse(model=MODEL, input="JSON please", text_format=Thing)
+    else:
+        assert ours[2] is chat[2] and ours[2] is not type(None)
+        assert json.loads(ours[1].output_text) == {"a": 1}
+        engine.replies.append('{"a": 1}')
+        parsed = client.responses.parse(model=MODEL, input="JSON please", text_format=Thing)
+        assert parsed.output_parsed == Thing(a=1)
 
-    with pytest.raises(openai.BadRequestError, match="json_schema"):
-        client.responses.parse(model=MODEL, input="JSON please", text_format=Thing)
+
+class Thing(BaseModel):
+    a: int
 
 
 def test_logprobs_equal_the_chat_endpoint_s(real):
@@ -462,6 +485,12 @@ def test_store_retrieve_delete_and_bounds(llm):
         (dict(input="hi", temperature=2.5), "temperature", "less than or equal to 2"),
         (dict(input="hi", extra_body={"n": 2}), "n", "n > 1"),
         (dict(input=[]), "input", "no messages"),
+        (
+            dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]),
+            "input",
+            "no vision tower",
+        ),
+        (dict(input="hi", max_output_tokens=100_000), "max_output_tokens", "does not fit"),
     ],
 )
 def test_refusals_are_openai_shaped(scripted, fields, param, words):

@@ -24,7 +24,8 @@ def add_parser(commands) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
-        description="An OpenAI-compatible server (chat and text completions, streaming, tools, thinking, "
+        description="An OpenAI-compatible server (chat and text completions, the Responses API, streaming, "
+        "tools, thinking, "
         "images, audio, transcription, embeddings, /metrics, a chat page at /) with continuous batching. Needs the serve "
         "extra: pip install 'torchgemma[serve]'.",
     )

@@ -43,14 +43,31 @@ REFUSED_FIELDS = {
 }
 
 
+# Chat request fields -> this API's names, for the errors the chat path raises.
+CHAT_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+
+
 async def create_response(
     state: ServerState, body: ResponsesRequest, request: Request | None = None
 ) -> dict | StreamingResponse:
     """The reply as a ``response`` object, or as its event stream when ``body.stream``."""
     state.check_model(body.model)
     conversation, chat = chat_request(state, body)
-    check_chat_request(state, chat)
-    prepared = await state.prepare(prepare_chat, state, chat)
+    try:
+        check_chat_request(state, chat)
+        prepared = await state.prepare(prepare_chat, state, chat)
+    except APIError as error:
+        # The chat path names its own fields ("messages.2.content.0", "max_tokens"): here, ours.
+        if error.param is not None:
+            error.param = (
+                "input" if error.param.startswith("messages") else CHAT_NAMES.get(error.param, error.param)
+            )
+        raise
     prepared.ident = f"resp_{uuid.uuid4().hex}"
     log_request(request, prepared)
     draft = ResponseDraft(state, body, prepared, conversation)
