@@ -32,8 +32,9 @@ from .protocol import ChatCompletionRequest, ResponsesRequest
 from .state import ServerState
 from .streaming import Outcome, Prepared, collect, generate
 
-# ``include`` values: the one that asks for something (token logprobs) and those that name what
-# this server returns anyway or has not (no hosted tools, no encrypted reasoning), so accepted.
+# The ``include`` value this server acts on; the others name outputs it never makes (hosted tools'
+# results, encrypted reasoning: earlier thinking is dropped from the prompt anyway), so there is
+# nothing to add for them.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields of OpenAI's that need what this server does not have: refused by name, not ignored.
 REFUSED_FIELDS = {
@@ -41,8 +42,6 @@ REFUSED_FIELDS = {
     "prompt": "stored prompt templates are not kept here; send instructions and input",
     "max_tool_calls": "max_tool_calls is not enforced here (Gemma's replies end after their calls)",
 }
-
-
 # Chat request fields -> this API's names, for the errors the chat path raises.
 CHAT_NAMES = {
     "max_tokens": "max_output_tokens",
@@ -64,9 +63,7 @@ async def create_response(
     except APIError as error:
         # The chat path names its own fields ("messages.2.content.0", "max_tokens"): here, ours.
         if error.param is not None:
-            error.param = (
-                "input" if error.param.startswith("messages") else CHAT_NAMES.get(error.param, error.param)
-            )
+            error.param = our_name(error.param)
         raise
     prepared.ident = f"resp_{uuid.uuid4().hex}"
     log_request(request, prepared)
@@ -77,6 +74,11 @@ async def create_response(
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
     outcome = await collect(state, request, prepared, "responses")
     return draft.finish(output_items(outcome), outcome.finish_reason, outcome.tokens, outcome.reasoning)
+
+
+def our_name(param: str) -> str:
+    """A chat request's field as this API names it ("messages.2.content.0" is in the input)."""
+    return "input" if param.startswith("messages") else CHAT_NAMES.get(param, param)
 
 
 def retrieve_response(state: ServerState, response_id: str) -> dict:
@@ -155,7 +157,7 @@ def chat_request(state: ServerState, body: ResponsesRequest) -> tuple[list[dict]
         chat = ChatCompletionRequest.model_validate(fields)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        where = our_name(".".join(str(part) for part in first["loc"]))
         raise bad_request(f"{where}: {first['msg']}", where) from error
     return conversation, chat
 
