@@ -483,14 +483,14 @@ def test_store_retrieve_delete_and_bounds(llm):
         (dict(input="hi", truncation="auto"), "truncation", "truncation 'auto'"),
         (dict(input="hi", extra_body={"conversation": "conv_1"}), "conversation", "previous_response_id"),
         (dict(input="hi", temperature=2.5), "temperature", "less than or equal to 2"),
-        (dict(input="hi", extra_body={"n": 2}), "n", "n > 1"),
+        (dict(input="hi", extra_body={"n": 2}), "n", "n is not a Responses API field"),
         (dict(input=[]), "input", "no messages"),
         (
             dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]),
             "input",
             "no vision tower",
         ),
-        (dict(input="hi", max_output_tokens=100_000), "max_output_tokens", "does not fit"),
+        (dict(input="hi", max_output_tokens=100_000), "max_output_tokens", "100"),
     ],
 )
 def test_refusals_are_openai_shaped(scripted, fields, param, words):
@@ -500,6 +500,8 @@ def test_refusals_are_openai_shaped(scripted, fields, param, words):
         client.responses.create(model=MODEL, **fields)
     body = error.value.body
     assert body["param"] == param and words in body["message"], body
+    if param == "max_output_tokens":
+        assert body["code"] == "context_length_exceeded"
     assert len(engine.prompts) == calls
 
 

@@ -41,6 +41,8 @@ REFUSED_FIELDS = {
     "conversation": "conversations are not kept here; send previous_response_id or the whole input",
     "prompt": "stored prompt templates are not kept here; send instructions and input",
     "max_tool_calls": "max_tool_calls is not enforced here (Gemma's replies end after their calls)",
+    # Chat's, not this API's: a response is one reply.
+    "n": "n is not a Responses API field: a response is one reply; send separate requests",
 }
 # Chat request fields -> this API's names, for the errors the chat path raises.
 CHAT_NAMES = {
