@@ -143,6 +143,8 @@ def test_a_completed_reply_and_the_raw_stream(scripted):
     events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
     assert events[-1].type == "response.completed" and events[-1].response.output_text == "Hello there."
     assert events[-1].response.output[0].id == events[2].item.id  # the item added is the item done
+    metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+    assert 'torchgemma_requests_total{endpoint="responses",finish_reason="stop"}' in metrics
 
 
 def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:

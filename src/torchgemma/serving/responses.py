@@ -539,7 +539,7 @@ async def stream_events(
     .incomplete when the reply ran out of tokens); an error once begun: an ``error`` event and
     response.failed."""
     writer, prepared = ResponseEvents(), draft.prepared
-    events = generate(state, request, prepared)
+    events = reply_events(state, request, prepared)
     first = await anext(events)  # before the response begins: a refusal is a plain error
     yield writer.event("response.created", response=draft.response("in_progress", []))
     yield writer.event("response.in_progress", response=draft.response("in_progress", []))
@@ -561,7 +561,6 @@ async def stream_events(
             for line in lines:
                 yield line
     except APIError as error:
-        state.metrics.requests.labels("responses", "error").inc()
         yield writer.event(
             "error", code=error.code or "server_error", message=error.message, param=error.param
         )
@@ -570,12 +569,26 @@ async def stream_events(
         )
         yield writer.event("response.failed", response=failed)
         return
-    state.metrics.requests.labels("responses", finish).inc()
     for line in writer.close("incomplete" if finish == "length" else "completed"):
         yield line
     response = draft.finish(writer.output, finish, tokens, reasoning)
     kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
     yield writer.event(kind, response=response)
+
+
+async def reply_events(state: ServerState, request: Request | None, prepared: Prepared) -> AsyncIterator:
+    """The reply's events (``streaming.generate``), its client watched for going away; counted in
+    /metrics (endpoint "responses") once it ended or failed."""
+    finish = "stop"
+    try:
+        async for event in generate(state, request, prepared):
+            if event[0] == "finish":
+                finish = event[1][0]
+            yield event
+    except APIError:
+        state.metrics.requests.labels("responses", "error").inc()
+        raise
+    state.metrics.requests.labels("responses", finish).inc()
 
 
 async def _chain(first, rest: AsyncIterator):
