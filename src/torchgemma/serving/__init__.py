@@ -5,7 +5,9 @@
     chat.py         POST /v1/chat/completions (messages -> the chat template's; tools; thinking)
     completions.py  POST /v1/completions (a raw prompt)
     audio.py        POST /v1/audio/transcriptions
-    embeddings.py   POST /v1/embeddings
+    embeddings.py   POST /v1/embeddings (text or token ids)
+    responses.py    POST /v1/responses (over the chat path; events; the bounded store's routes)
+    responses_input.py  the Responses API's input items and tools as the chat path's
     streaming.py    prepared request -> deltas (decoder, torchgemma.replies, stop strings) -> SSE or whole
     sampling.py     sampling fields -> the engine's arguments, checked against the limits
     media.py        images and audio sent by clients, decoded
