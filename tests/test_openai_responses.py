@@ -23,7 +23,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from serving_fixtures import ScriptedEngine, running_server
-from torchgemma.generation.constraints import JSONObject
+from torchgemma.generation.constraints import Grammar
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
 
@@ -318,20 +318,41 @@ def test_a_failure_mid_stream_is_an_error_event_and_response_failed(llm):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def test_tool_choice_reaches_the_template(scripted, llm):
+def test_tool_choice_and_parallel_tool_calls_go_to_the_chat_path(scripted, llm):
+    """tool_choice (none, required, a named function) and parallel_tool_calls: the prompt and the
+    engine's constraint are the ones the chat endpoint gives for the same choice."""
     client, engine = scripted
-    engine.replies.extend(["x", "x", 'city:<|"|>Rome<|"|>}<tool_call|>'])
-    client.responses.create(model=MODEL, input="Hi", tools=[WEATHER], tool_choice="none")
-    assert "<|tool>" not in prompt_of(llm, engine)
-    client.responses.create(model=MODEL, input="Hi", tools=[WEATHER], tool_choice="required")
-    assert prompt_of(llm, engine).endswith("<|tool_call>call:")
-    named = client.responses.create(
-        model=MODEL, input="Rome?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}
-    )
-    assert prompt_of(llm, engine).endswith("<|tool_call>call:get_weather{")
-    (call,) = named.output
-    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
-    assert named.tool_choice.name == "get_weather"
+    call = '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>'
+    named = {"type": "function", "name": "get_weather"}
+    for choice, chat_choice, parallel in [
+        ("none", "none", None),
+        ("required", "required", None),
+        (named, {"type": "function", "function": {"name": "get_weather"}}, None),
+        ("auto", "auto", False),
+    ]:
+        engine.replies.extend([call, call])
+        fields = {} if parallel is None else {"parallel_tool_calls": parallel}
+        response = client.responses.create(
+            model=MODEL, input="Rome?", tools=[WEATHER], tool_choice=choice, **fields
+        )
+        ours = (engine.prompts[-1], engine.arguments[-1].get("constraint"))
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Rome?"}],
+            tools=[CHAT_WEATHER],
+            tool_choice=chat_choice,
+            **fields,
+        )
+        theirs = (engine.prompts[-1], engine.arguments[-1].get("constraint"))
+        assert ours[0] == theirs[0], choice
+        assert getattr(ours[1], "source", None) == getattr(theirs[1], "source", None), choice
+        if choice is named:
+            assert response.tool_choice.name == "get_weather"
+        if choice != "none":
+            (item,) = response.output
+            assert (item.name, json.loads(item.arguments)) == ("get_weather", {"city": "Rome"})
+    assert "<|tool>" not in llm.tokenizer.decode(engine.prompts[-8])  # tool_choice none
+    assert response.parallel_tool_calls is False
 
 
 # ── text.format, logprobs ────────────────────────────────────────────────────────────────────
@@ -345,9 +366,9 @@ def test_text_format_goes_to_the_chat_path(scripted):
     response = client.responses.create(
         model=MODEL, input="JSON please", text={"format": {"type": "json_object"}}
     )
-    assert isinstance(engine.arguments[-1]["constraint"], JSONObject) and json.loads(
-        response.output_text
-    ) == {"a": 1}
+    assert isinstance(engine.arguments[-1]["constraint"], Grammar) and json.loads(response.output_text) == {
+        "a": 1
+    }
     assert response.text.format.type == "json_object"
     # json_schema: the same request through chat completions and through /v1/responses is either
     # refused by the chat path with the same message (before the constraint engine), or enforced

@@ -68,7 +68,7 @@ async def create_response(
         if error.param is not None:
             error.param = our_name(error.param)
         raise
-    prepared.ident = f"resp_{uuid.uuid4().hex}"
+    prepared.ident, prepared.endpoint = f"resp_{uuid.uuid4().hex}", "responses"
     log_request(request, prepared)
     draft = ResponseDraft(state, body, prepared, conversation)
     if body.stream:
@@ -414,7 +414,7 @@ async def stream_events(
     .incomplete when the reply ran out of tokens); an error once begun: an ``error`` event and
     response.failed."""
     writer, prepared = ResponseEvents(), draft.prepared
-    events = reply_events(state, request, prepared)
+    events = generate(state, request, prepared)  # (counted in /metrics by the sequence's endpoint)
     first = await anext(events)  # before the response begins: a refusal is a plain error
     yield writer.event("response.created", response=draft.response("in_progress", []))
     yield writer.event("response.in_progress", response=draft.response("in_progress", []))
@@ -449,21 +449,6 @@ async def stream_events(
     response = draft.finish(writer.output, finish, tokens, reasoning)
     kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
     yield writer.event(kind, response=response)
-
-
-async def reply_events(state: ServerState, request: Request | None, prepared: Prepared) -> AsyncIterator:
-    """The reply's events (``streaming.generate``), its client watched for going away; counted in
-    /metrics (endpoint "responses") once it ended or failed."""
-    finish = "stop"
-    try:
-        async for event in generate(state, request, prepared):
-            if event[0] == "finish":
-                finish = event[1][0]
-            yield event
-    except APIError:
-        state.metrics.requests.labels("responses", "error").inc()
-        raise
-    state.metrics.requests.labels("responses", finish).inc()
 
 
 async def _chain(first, rest: AsyncIterator):
