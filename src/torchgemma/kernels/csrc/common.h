@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,6 +64,28 @@
 namespace torchgemma::TG_ISA {
 
 // A scale or min as float32 (exact from float16).
+// body(begin, end) over [0, n) in tasks of `task` items that the threads take in turn from a shared
+// counter. at::parallel_for gives each thread an equal share up front, so a thread the OS takes
+// off its core (a server's event loop, a client on the same cores) holds the others at the end of
+// the call for its whole share; here the others take its remaining tasks. Each item is computed by
+// one task whatever thread runs it: the same bits as one thread.
+template <typename F>
+void parallel_tasks(int64_t n, int64_t task, const F& body) {
+  if (n <= 0) return;
+  task = std::max<int64_t>(1, task);
+  const int64_t tasks = (n + task - 1) / task;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    body(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1))
+      body(t * task, std::min(n, (t + 1) * task));
+  });
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) {
 #ifdef TG_AVX2

@@ -191,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
     const int64_t grain = std::max<int64_t>(1, 16384 / K);
     // Weight rows outermost: each is read from memory once for all M activation rows (whose integers,
     // M x K bytes, stay in L1), so a batch of rows costs about one row's pass until the arithmetic binds.
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    parallel_tasks(N, std::max<int64_t>(grain, 64), [&](int64_t n0, int64_t n1) {
       const int8_t* xqs[4];
       const float* ds[4];
       float a4[4];

@@ -309,7 +309,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   // pass over the weight until the arithmetic binds. (Activation rows outermost re-read the weight
   // from memory per block; single weight rows outermost stream all M x K activations from L2 per row.)
   const int64_t tile = std::max<int64_t>(4, (32 << 10) / std::max<int64_t>(row_bytes, 1));
-  at::parallel_for(0, N, grain, [&](int64_t t0, int64_t t1) {
+  // Tasks of whole tiles, taken in turn (parallel_tasks: a preempted thread delays only its tile).
+  parallel_tasks(N, std::max(grain, tile), [&](int64_t t0, int64_t t1) {
     float acc[kRowBlock * 4];
     const int64_t mblock = row_block(bits, group);
     for (int64_t n0 = t0; n0 < t1; n0 += tile) {
