@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
 import time
+import wave
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import numpy as np
 
 from torchgemma.generation import StepOutput
 
@@ -106,3 +110,14 @@ def content_of(llm, token_ids) -> str:
     stops = set(llm.generation_config.eos_token_ids) | {llm.tokenizer.turn_end_id}
     ids = [t for t in token_ids if t not in stops and t not in hidden_token_ids(llm.tokenizer)]
     return parse_reply(llm.tokenizer.decode(ids)).content
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
+    """Mono 16-bit PCM WAV bytes of float samples in [-1, 1]."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()

@@ -71,21 +71,17 @@ def test_cached_equals_full_forward_in_float64(text_checkpoints, style, backend)
     assert (cached[valid] - full[valid]).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("style", list(STYLES))
-def test_slots_decode_like_transformers_alone(text_checkpoints, style):
-    """bf16: two sequences of different lengths in two slots, decoded together, each equal to the bit
-    to transformers' DynamicCache decode of that sequence alone. Together as the engine batches
-    them: in one call where this machine's kernels round a row alike in any call, else one call per
-    slot (``RowProbe``; bf16 on AVX-512 CPUs)."""
+def two_slots_and_transformers_alone(model, ref, device="cpu"):
+    """Two sequences (7 and 3 tokens) in two slots, fed 15 tokens each (teacher forcing), decoded
+    together as the engine batches them (in one call where this machine's kernels round a row alike
+    in any call, else one call per slot: ``RowProbe``); for each, (our logits, transformers'
+    DynamicCache logits of that sequence alone), and whether they ran together."""
     from transformers import DynamicCache
 
-    folder = text_checkpoints[style]
-    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
-    ref = reference_model(folder, torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (1, n), generator=gen) for n in (7, 3)]
+    prompts = [torch.randint(3, 300, (1, n), generator=gen).to(device) for n in (7, 3)]
     steps = 15
-    new = torch.randint(3, 300, (2, steps), generator=gen)  # fed tokens (teacher forcing)
+    new = torch.randint(3, 300, (2, steps), generator=gen).to(device)
     cache = model.make_cache(2, 7 + steps)
     together = not RowProbe.run(model.language_model, 2, torch.bfloat16).split([1, 1])
     with torch.no_grad():
@@ -100,13 +96,27 @@ def test_slots_decode_like_transformers_alone(text_checkpoints, style):
             for row in range(2):
                 ours[row].append(logits[row : row + 1])
     assert cache.lengths == [7 + steps, 3 + steps]
+    pairs = []
     for row, prompt in enumerate(prompts):
         ref_cache = DynamicCache(config=ref.config)
         with torch.no_grad():
             theirs = [ref(input_ids=prompt, past_key_values=ref_cache, use_cache=True).logits]
             for t in range(steps):
                 theirs.append(ref(input_ids=new[row : row + 1, t : t + 1], past_key_values=ref_cache).logits)
-        ours_row, theirs_row = torch.cat(ours[row], 1), torch.cat(theirs, 1)
+        pairs.append((torch.cat(ours[row], 1), torch.cat(theirs, 1)))
+    return pairs, together
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_slots_decode_like_transformers_alone(text_checkpoints, style):
+    """bf16: two sequences of different lengths in two slots, decoded together, each equal to the bit
+    to transformers' DynamicCache decode of that sequence alone. Together as the engine batches
+    them: in one call where this machine's kernels round a row alike in any call, else one call per
+    slot (``RowProbe``; bf16 on AVX-512 CPUs)."""
+    folder = text_checkpoints[style]
+    model = torchgemma.load(folder, dtype=torch.bfloat16, attention="eager")
+    pairs, _ = two_slots_and_transformers_alone(model, reference_model(folder, torch.bfloat16))
+    for row, (ours_row, theirs_row) in enumerate(pairs):
         assert torch.equal(ours_row, theirs_row), f"row {row}: max |Δ| {(ours_row - theirs_row).abs().max()}"
 
 

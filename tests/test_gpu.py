@@ -225,39 +225,14 @@ def test_slots_decode_like_transformers_alone_on_cuda(text_checkpoints, style):
     window of 5 (the sliding layers' rings wrap; E2B/E4B's last layers read shared KV), each equal
     to the bit to transformers' DynamicCache decode of that sequence alone, on CUDA. Together in one
     call where the GPU's kernels round a row alike in any call (``RowProbe``), else slot by slot."""
-    from transformers import DynamicCache
-
-    from torchgemma.generation.invariance import RowProbe
+    from test_cache import two_slots_and_transformers_alone
 
     folder = text_checkpoints[style]
     model = torchgemma.load(folder, dtype=torch.bfloat16, device=CUDA, attention="eager")
     ref = reference_model(folder, torch.bfloat16).to(CUDA)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (1, n), generator=gen).to(CUDA) for n in (7, 3)]
-    steps = 15
-    new = torch.randint(3, 300, (2, steps), generator=gen).to(CUDA)
-    cache = model.make_cache(2, 7 + steps)
-    together = not RowProbe.run(model.language_model, 2, torch.bfloat16).split([1, 1])
+    pairs, together = two_slots_and_transformers_alone(model, ref, CUDA)
     print(f"[gpu] slots {style}: decoded {'together' if together else 'slot by slot'}")
-    with torch.no_grad():
-        ours = [[model(prompt, cache=cache, slots=[row])] for row, prompt in enumerate(prompts)]
-        for t in range(steps):
-            if together:
-                logits = model(new[:, t : t + 1], cache=cache)
-            else:
-                logits = torch.cat(
-                    [model(new[r : r + 1, t : t + 1], cache=cache, slots=[r]) for r in range(2)]
-                )
-            for row in range(2):
-                ours[row].append(logits[row : row + 1])
-    assert cache.lengths == [7 + steps, 3 + steps]
-    for row, prompt in enumerate(prompts):
-        ref_cache = DynamicCache(config=ref.config)
-        with torch.no_grad():
-            theirs = [ref(input_ids=prompt, past_key_values=ref_cache, use_cache=True).logits]
-            for t in range(steps):
-                theirs.append(ref(input_ids=new[row : row + 1, t : t + 1], past_key_values=ref_cache).logits)
-        ours_row, theirs_row = torch.cat(ours[row], 1), torch.cat(theirs, 1)
+    for row, (ours_row, theirs_row) in enumerate(pairs):
         report(f"slots {style} row {row}", ours_row, theirs_row)
         assert torch.equal(ours_row, theirs_row), f"row {row}"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import wave
 
 import httpx
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from PIL import Image
 from pydantic import BaseModel
 
-from serving_fixtures import ScriptedEngine, running_server
+from serving_fixtures import ScriptedEngine, running_server, wav_bytes
 from torchgemma.generation.constraints import Grammar
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
@@ -145,16 +144,6 @@ def test_a_completed_reply_and_the_raw_stream(scripted):
     assert events[-1].response.output[0].id == events[2].item.id  # the item added is the item done
     metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
     assert 'torchgemma_requests_total{endpoint="responses",finish_reason="stop"}' in metrics
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def test_images_and_audio_go_through_the_chat_path(media_llm_checkpoints):

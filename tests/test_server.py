@@ -18,7 +18,6 @@ import struct
 import subprocess
 import sys
 import time
-import wave
 
 import httpx
 import numpy as np
@@ -26,7 +25,7 @@ import openai
 import pytest
 from PIL import Image
 
-from serving_fixtures import ScriptedEngine, content_of, running_server
+from serving_fixtures import ScriptedEngine, content_of, running_server, wav_bytes
 from torchgemma import Grammar
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
@@ -563,16 +562,6 @@ def test_control_tokens_typed_by_clients_stay_text(scripted, llm, llm_checkpoint
 
 
 # ── images and audio ─────────────────────────────────────────────────────────────────────────
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def test_images_audio_and_transcription(media_llm_checkpoints):

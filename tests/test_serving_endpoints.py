@@ -6,18 +6,16 @@ sentence-transformers reference it is checked against.)
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import time
-import wave
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from serving_fixtures import ScriptedEngine, running_server
+from serving_fixtures import ScriptedEngine, running_server, wav_bytes
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
 from torchgemma.serving.audio import TRANSCRIBE_PROMPT, TRANSCRIPTION_MAX_TOKENS
@@ -155,16 +153,6 @@ def test_cors_preflight_and_answers(llm):
 
 
 # ── transcription formats ───────────────────────────────────────────────────────────────────
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16_000) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -121,11 +121,7 @@ async def collect_runs(state: ServerState, request: Request | None, runs: list[R
     try:
         return await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        if watcher is not None:
-            watcher.cancel()
-        _finished(runs)
+        _stop(tasks, watcher, runs)
 
 
 async def generate(
@@ -159,6 +155,15 @@ async def _outcome(state: ServerState, run: Run) -> Outcome:
         elif kind == "finish":
             outcome.finish_reason, outcome.tokens = value
     return outcome
+
+
+def _stop(tasks: list, watcher, runs) -> None:
+    """Cancel a reply's tasks and its disconnect watcher, and see its runs finished."""
+    for task in tasks:
+        task.cancel()
+    if watcher is not None:
+        watcher.cancel()
+    _finished(runs)
 
 
 def _finished(runs: list[Run]) -> None:
@@ -347,11 +352,7 @@ async def _merge(
             else:
                 yield index, event
     finally:
-        for task in tasks:
-            task.cancel()
-        if watcher is not None:
-            watcher.cancel()
-        _finished(runs)
+        _stop(tasks, watcher, runs)
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
