@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from .chat import read_template
@@ -238,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=allowed_origins or None,
         responses_store=args.responses_store,
     )
-    warm_constraints(llm)
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -265,22 +263,6 @@ def run(args: argparse.Namespace) -> int:
         http=header_timeout_protocol(args.header_timeout),
     )
     return 0
-
-
-def warm_constraints(llm) -> None:
-    """Read the vocabulary the way the constraint engine (llguidance) does now, before the server
-    listens: seconds for a 262K vocabulary, which the first request with a response_format or a
-    forced tool call would otherwise wait for. Without the constraints extra there is nothing to do."""
-    if not importable("llguidance"):
-        return
-    from ..generation.constraints import vocabulary_of
-
-    started = time.perf_counter()
-    vocabulary_of(llm.tokenizer)
-    print(
-        f"torchgemma serve: constrained decoding ready ({time.perf_counter() - started:.1f} s)",
-        file=sys.stderr,
-    )
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
