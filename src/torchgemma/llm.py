@@ -16,9 +16,8 @@ replies come out through Gemma's reply grammar (``torchgemma.replies``: thinking
 
 Sampling: ``sampling=SamplingParams(...)``, or its settings by name (``temperature``, ``top_k``,
 ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``), with
-what is left unset taking the
-checkpoint's ``generation_config.json`` defaults (Gemma 4: sampling at temperature 1 with top-k 64
-and top-p 0.95). Pass ``temperature=0`` for greedy decoding. ``stop_token_ids`` replaces the
+what is left unset taking the checkpoint's ``generation_config.json`` defaults (Gemma 4: sampling at
+temperature 1 with top-k 64 and top-p 0.95). Pass ``temperature=0`` for greedy decoding. ``stop_token_ids`` replaces the
 checkpoint's stop tokens (``[]``: never stop).
 
 Constrained output (``generation/constraints.py``): ``response_format=`` (OpenAI's dict, a pydantic
