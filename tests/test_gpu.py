@@ -100,8 +100,9 @@ def test_eager_logits_match_transformers_on_cuda(text_checkpoints, style, dtype)
 # strict: a fix shows as XPASS) until fixed.
 SDPA_FLOAT32 = pytest.mark.xfail(
     reason="H200, 2026-11-27: float32 sdpa logits 0.95-1.7e-5 from transformers' (31B with images 1.1e-4) "
-    "and 0.0 with only the math backend enabled: our sdpa call takes another CUDA kernel than "
-    "transformers' in float32 (bf16: the same bits). Not fixed yet.",
+    "and 0.0 with only the math backend enabled: our sdpa call took another CUDA kernel than "
+    "transformers' in float32 (bf16: the same bits). sdpa_attention has since repeated the KV heads "
+    "where transformers does (off the CPU); not run on a GPU since: an XPASS here says it worked.",
     strict=False,
 )
 MEDIA_FLOAT32 = pytest.mark.xfail(

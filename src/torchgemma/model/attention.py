@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .layers import eager_attention
+from .layers import eager_attention, repeat_heads
 
 
 @dataclass
@@ -119,17 +119,24 @@ def sdpa_attention(
     past the sliding window; head dims over 256), else in place (``enable_gqa``). Packing changes
     the kernel's product shapes and so the rounding (float32 and bf16, measured). Where
     transformers repeats the KV heads instead (several queries with a mask or head dims over 256)
-    the kernel runs the same products on the same values as in place (bit-identical, measured),
-    and in place needs no H/Hkv copies of the keys: a long prompt's chunks stay in bounded memory.
+    the kernel runs the same products on the same values as in place on the CPU (bit-identical,
+    measured), and in place needs no H/Hkv copies of the keys: a long prompt's chunks stay in bounded
+    memory. Other devices repeat them where transformers does (CUDA picks its kernel by the layout).
     """
     batch, heads, length, dim = query.shape
     groups = heads // key.shape[1]
     extra = {}
     if groups > 1:
-        if length == 1 and (mask is not None or key.shape[-1] > 256 or value.shape[-1] > 256):
+        in_place = mask is None and key.shape[-1] == value.shape[-1] <= 256  # transformers' use_gqa_in_sdpa
+        if length == 1 and not in_place:
             query = query.reshape(batch, heads // groups, groups, dim)  # a mask (B, 1, 1, S) broadcasts
-        else:
+        elif in_place or query.device.type == "cpu":
             extra["enable_gqa"] = True
+        else:
+            # Repeated as transformers repeats them: on CUDA, enable_gqa with a mask takes another
+            # kernel than repeated heads do (float32 logits 1e-5 apart on an H200; the same bits with
+            # only the math kernel enabled).
+            key, value = repeat_heads(key, groups), repeat_heads(value, groups)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None and causal, scale=scale, **extra
     )

@@ -101,6 +101,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(gelu_tanh(gate) * self.up_proj(x))
 
 
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * groups, S, D): each key/value head for ``groups`` consecutive query
+    heads, as transformers' ``repeat_kv``."""
+    b, hkv, s, d = x.shape
+    return x[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
+
+
 def eager_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -114,10 +121,7 @@ def eager_attention(
     """
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
-        # Each key/value head serves `groups` consecutive query heads.
-        b, hkv, s, d = key.shape
-        key = key[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
-        value = value[:, :, None].expand(b, hkv, groups, s, d).reshape(b, hkv * groups, s, d)
+        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
     scores = torch.matmul(query, key.transpose(2, 3))  # (B, H, T, S)
     if scale != 1.0:  # multiplying by 1.0 is exact: skip it
         scores = scores * scale
