@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from ..replies.tool_grammar import tool_call_lark
+from ..tokenizer.loading import release_freed_heap
 from .sampling import SamplingParams, check_scores, next_token, process_logits
 
 NEG_INF = float("-inf")
@@ -101,6 +102,9 @@ def vocabulary_of(tokenizer) -> Vocabulary:
                 sorted(set(lltokenizer.eos_tokens) | {lltokenizer.eos_token}),
                 *_duplicates(tokenizer.token_bytes, lltokenizer),
             )
+            # The spec's temporaries (its JSON, twice) back to the OS: the 270M's vocabulary left
+            # the process 484 MiB larger, 242 after the trim (measured).
+            release_freed_heap()
         return found
 
 
