@@ -470,22 +470,20 @@ def test_aborted_requests_are_counted(scripted):
     """A stream closed by its client is counted in /metrics' request counter, as "abort"."""
     client, engine, url = scripted
     engine.step_delay = 0.02
-    engine.replies.append("word " * 200)
-    stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True)
-    next(iter(stream))
-    stream.close()
-    deadline = time.monotonic() + 20
-    while metric(url, "chat", "abort") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(url, "chat", "abort") == 1
-    engine.replies.extend(["word " * 200, "word " * 200])  # n=2: each choice counts
-    stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True, n=2)
-    next(iter(stream))
-    stream.close()
-    deadline = time.monotonic() + 20
-    while metric(url, "chat", "abort") < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(url, "chat", "abort") == 3
+
+    def abandon(n: int, counted: int) -> None:
+        """Open a stream of n choices, read one chunk, close it; wait for the abort count."""
+        engine.replies.extend(["word " * 200] * n)
+        stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True, n=n)
+        next(iter(stream))
+        stream.close()
+        deadline = time.monotonic() + 20
+        while metric(url, "chat", "abort") < counted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(url, "chat", "abort") == counted
+
+    abandon(1, 1)
+    abandon(2, 3)  # n=2: each choice counts
     engine.step_delay = 0
     engine.replies.append("fine")
     client.chat.completions.create(model=MODEL, messages=HI)

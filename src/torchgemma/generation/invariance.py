@@ -21,7 +21,7 @@ kernel sums each row the same way at any row count) batches cost nothing extra. 
 as known rather than probed: on the AVX-512 dispatch a reduced-precision product that crosses
 oneDNN's threshold is a boundary, since the two kernels' bits differ too rarely (about 1 output in
 25,000) for random rows to show it. On a GPU every forward over several requests runs request by
-request: cuBLAS picks kernels by row count with no one threshold to find.
+request: there the probe let requests batch, and an H200 then moved their bf16 bits.
 
 The probe proves what it tries: the row counts up to ``max_rows`` (the batch size, or 16), the
 oneDNN threshold of each small weight, and 2-4 positions of a row in the call. Larger prefill
@@ -87,9 +87,9 @@ class RowProbe:
     def _run(cls, model: TextModel, max_rows: int, dtype: torch.dtype) -> RowProbe:
         probe = cls()
         if next(itertools.chain(model.parameters(), model.buffers())).device.type != "cpu":
-            # cuBLAS picks its kernels by row count with no one threshold to find (an H200 gave a
-            # request other bits in a batch although no probed count changed a row): every forward
-            # over several requests runs request by request.
+            # cuBLAS picks its kernels by row count: on an H200 the probe let requests batch and a
+            # request's bf16 logits then moved in the batch (tests/test_gpu.py). Every forward over
+            # several requests runs request by request.
             probe.boundaries["every call (not on the CPU)"] = 2
             return probe
         generator = torch.Generator().manual_seed(0)
