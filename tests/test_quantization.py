@@ -30,7 +30,7 @@ from torchgemma.quantization import (
     quantize,
     quantize_rtn,
 )
-from torchgemma.quantization.modules import BOUNDED_ROWS, DENSE_ROWS
+from torchgemma.quantization.modules import BOUNDED_ROWS, DENSE_ROWS, INT_BOUNDED_ROWS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -736,6 +736,40 @@ def test_greedy_head_argmax_equals_the_full_heads(bits, rows):
             buffer[[10, 20, 30]] = buffer[winner].clone()
     assert layer.matmul(x)[0, [10, 20, 30, winner]].unique().numel() == 1
     assert layer.argmax(x).tolist() == [10] == layer.matmul(x).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("rows", [INT_BOUNDED_ROWS, 16])
+def test_greedy_head_int8_scores_give_the_full_heads_tokens(rows, monkeypatch):
+    """Calls of INT_BOUNDED_ROWS or more rows score with qlinear_int's int8 products (on machines
+    without VNNI its portable loop, the same bits, is forced here): every exact score lies within the
+    row's bound of its approximation, and the token equals argmax of the full product, through a
+    soft-cap, on exact ties, and for a non-finite row."""
+    from torchgemma.quantization import modules
+
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    monkeypatch.setattr(modules, "vnni_available", lambda: True)
+    layer = _head(8)
+    for seed in range(4):
+        x = _activations(rows, 256, seed=seed)
+        assert layer._int_bounded(x) and layer._bounded(x)
+        full = layer.matmul(x)
+        approx, bound = layer._bounds(x)
+        assert bound.shape == (rows, 1)
+        assert ((full - approx).abs() <= bound).all()
+        assert torch.equal(layer.argmax(x), full.argmax(-1))
+        assert torch.equal(layer.argmax(x, torch.tanh), torch.tanh(full).argmax(-1))
+    # Exact ties: weight rows 10, 20, 30 copies of row 0's winner: the first of them wins.
+    x = _activations(rows, 256, seed=11)
+    winner = int(layer.matmul(x[:1]).argmax(-1))
+    layer.qweight[[10, 20, 30]] = layer.qweight[winner].clone()
+    layer.scales[[10, 20, 30]] = layer.scales[winner].clone()
+    assert layer.argmax(x)[0] == 10
+    assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+    x[2, 5] = float("nan")
+    assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+    # A head with offsets (4-bit with mins) keeps the full product.
+    assert not _head(4)._int_bounded(x)
 
 
 def test_greedy_head_falls_back_where_it_cannot_bound():

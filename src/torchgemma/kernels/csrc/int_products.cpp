@@ -293,7 +293,10 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     // activation row passes over them.
     constexpr int64_t kGroups = kTileGroups;
     const int64_t slabs = (N + kGroups * kIntRows - 1) / (kGroups * kIntRows);
-    at::parallel_for(0, slabs, 1, [&](int64_t b0, int64_t b1) {
+    // Tasks of up to 8 slabs from a shared counter (parallel_tasks: a thread taken off its core holds
+    // up only its current task), at least 4 per thread.
+    const int64_t task = std::max<int64_t>(1, std::min<int64_t>(8, slabs / (4 * at::get_num_threads())));
+    parallel_tasks(slabs, task, [&](int64_t b0, int64_t b1) {
       std::vector<uint8_t> wpack(kGroups * wstride);
       std::vector<float> spack(kGroups * sstride), mpack(mp ? kGroups * sstride : 0);
       for (int64_t b = b0; b < b1; ++b) {
