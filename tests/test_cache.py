@@ -121,7 +121,8 @@ def test_slots_decode_like_transformers_alone(text_checkpoints, style):
 
 
 def test_cache_layout_is_the_architectural_minimum(text_checkpoints):
-    """Full layers: max_len columns; sliding layers: W - 1 + max_rollback; KV-shared layers: nothing."""
+    """Full layers: max_len columns; sliding layers: W + max_rollback (the W - 1 keys before a call,
+    and the column a decode step writes its key to first); KV-shared layers: nothing."""
     model = torchgemma.load(text_checkpoints["e2b"])
     for rollback in (0, 3):
         cache = model.make_cache(batch_size=3, max_len=64, max_rollback=rollback)
@@ -130,13 +131,13 @@ def test_cache_layout_is_the_architectural_minimum(text_checkpoints):
                 assert layer_cache is None
             elif spec.is_sliding:
                 assert isinstance(layer_cache, SlidingLayerCache)
-                assert layer_cache.keys.shape == (3, spec.num_kv_heads, WINDOW - 1 + rollback, spec.head_dim)
+                assert layer_cache.keys.shape == (3, spec.num_kv_heads, WINDOW + rollback, spec.head_dim)
             else:
                 assert isinstance(layer_cache, FullLayerCache)
                 assert layer_cache.keys.shape == (3, spec.num_kv_heads, 64, spec.head_dim)
         # e2b tiny: layers 0-5 own their K/V ([s, s, s, s, f, s]): 5 sliding (ring x 16 dims) and
         # 1 full (64 columns x 32 dims), 1 KV head; K and V, batch 3, float32.
-        assert cache.nbytes == 2 * 3 * 4 * (5 * (WINDOW - 1 + rollback) * 16 + 1 * 64 * 32)
+        assert cache.nbytes == 2 * 3 * 4 * (5 * (WINDOW + rollback) * 16 + 1 * 64 * 32)
     # Never more columns than a sequence can have.
     assert model.make_cache(1, 3).layers[0].keys.shape[2] == 3
 

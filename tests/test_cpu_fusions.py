@@ -126,23 +126,29 @@ def test_a_batched_decode_step_of_rows_with_their_own_lengths_takes_one_call(tex
         return got
 
     alone = {name: run([name])[name] for name in prompts}
-    calls, fallbacks = [], []
+    calls, ring_calls, fallbacks = [], [], []
 
     def kernel(q, k, v, scale, visible):
         calls.append((q.shape[0], visible is not None))
         return decode(q, k, v, scale, visible)
+
+    def ring_kernel(q, k, v, scale, visible, slots, offsets):
+        ring_calls.append(q.shape[0])
+        return torch.ops.torchgemma.decode_attention_ring(q, k, v, scale, visible, slots, offsets)
 
     def fallback(q, *args):
         fallbacks.append(q.shape[2])
         return ATTENTION["sdpa"](q, *args)
 
     monkeypatch.setattr(cpu_fusions, "_DECODE_ATTENTION", kernel)
+    monkeypatch.setattr(cpu_fusions, "_DECODE_ATTENTION_RING", ring_kernel)
     monkeypatch.setattr(cpu_fusions, "sdpa_backend", fallback)
     together = run(list(prompts))
     for name in prompts:
         assert [t for t, _ in together[name]] == [t for t, _ in alone[name]]
         assert max(abs(a - b) for (_, a), (_, b) in zip(together[name], alone[name])) <= 1e-5
     assert (3, True) in calls  # three rows, each with its own keys, in one call
+    assert 3 in ring_calls  # the sliding layers: three rows read in place from their rings
     assert 1 not in fallbacks  # no decode step fell back to sdpa (prefill chunks do, by design)
 
 

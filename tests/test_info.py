@@ -67,19 +67,20 @@ def test_moe_active_parameters_match_the_published_figure():
 
 
 def test_e2b_kv_cache_at_128k():
-    """12 sliding layers x 511 columns + 3 full layers x 131072 columns, K and V, 1 KV head, 256/512 dims."""
+    """12 sliding layers x 512 columns (the window: 511 earlier keys, and the column a decode step writes
+    first) + 3 full layers x 131072 columns, K and V, 1 KV head, 256/512 dims."""
     config = ModelConfig.from_hf(published_multimodal("e2b"))
     info = describe(config, context=131072, batch=1, dtype=torch.bfloat16)
-    expected = 2 * 2 * (12 * 511 * 256 + 3 * 131072 * 512)
+    expected = 2 * 2 * (12 * 512 * 256 + 3 * 131072 * 512)
     assert info["kv_cache_bytes"] == expected
     assert round(expected / 2**30, 2) == 0.76
     assert info["kv_cache_layers"] == {"sliding": 12, "full": 3}
-    assert (info["kv_cache_sliding_columns"], info["kv_cache_sliding_slack"]) == (511, 0)
+    assert (info["kv_cache_sliding_columns"], info["kv_cache_sliding_slack"]) == (512, 0)
     assert info["params_ple_table"] == 262144 * 35 * 256
     # Rolling back up to 8 tokens (speculative decoding) costs 8 more columns per sliding layer.
     rollback = describe(config, context=131072, batch=1, dtype=torch.bfloat16, max_rollback=8)
     assert rollback["kv_cache_bytes"] - expected == 2 * 2 * 12 * 8 * 256
-    assert (rollback["kv_cache_sliding_columns"], rollback["kv_cache_sliding_slack"]) == (519, 8)
+    assert (rollback["kv_cache_sliding_columns"], rollback["kv_cache_sliding_slack"]) == (520, 8)
 
 
 def test_counts_match_transformers_and_our_cache(text_checkpoints, multimodal_checkpoint):

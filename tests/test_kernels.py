@@ -94,6 +94,13 @@ def samples(name: str) -> list[tuple]:
         visible[1, :] = False
         visible[1, 7] = True  # one key alone
         out += [(q, k, v, 0.125, visible), (q, k, v, 0.125)]
+    elif name == "decode_attention_ring":
+        # Rings of 3 sequences read by 2 rows from their own offsets (one wrapping), of 40 columns.
+        q = torch.randn(2, 4, 1, 32, generator=gen)
+        k, v = torch.randn(2, 3, 2, 40, 32, generator=gen).unbind(0)
+        visible = torch.rand(2, 33, generator=gen) < 0.8
+        visible[:, -1] = True
+        out.append((q, k, v, 0.125, visible, torch.tensor([2, 0]), torch.tensor([30, 4])))
     return out
 
 
@@ -102,7 +109,7 @@ def test_the_table_holds_every_operator():
     else defines one)."""
     assert set(OPS) == {
         "qlinear", "dequantize", "qlinear_dense", "qlinear_int", "qlinear_bounds", "row_norms",
-        "bounded_candidates", "rms_norm", "rope", "decode_attention",
+        "bounded_candidates", "rms_norm", "rope", "decode_attention", "decode_attention_ring",
     }  # fmt: skip
     for name, op in OPS.items():
         assert callable(op.fake) and callable(op.reference)
@@ -186,10 +193,15 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
             (approx, bound), (ref_approx, ref_bound) = ours, reference
             assert ((approx - ref_approx).abs() <= bound).all()
             assert torch.allclose(bound, ref_bound, rtol=1e-6, atol=0)
-        elif name == "decode_attention":
+        elif name in ("decode_attention", "decode_attention_ring"):
             # A polynomial exp and the kernel's own sum orders: both within float32 rounding of the
             # float64 softmax.
             q, k, v, scale, *visible = args
+            if name == "decode_attention_ring":  # the rows' keys gathered from the rings
+                visible, slots, offsets = visible
+                columns = (offsets[:, None] + torch.arange(visible.shape[1])) % k.shape[2]
+                k, v = (t[slots[:, None], :, columns].transpose(1, 2) for t in (k, v))
+                visible = [visible]
             mask = visible[0][:, None, None, :] if visible else None
             exact = F.scaled_dot_product_attention(
                 q.double(), k.double(), v.double(), attn_mask=mask, scale=scale, enable_gqa=True
@@ -225,7 +237,10 @@ def _products() -> dict[str, torch.Tensor]:
                     key = f"int{x_bits}/{bits}/{group}/{scale_dtype}/{rows}"
                     out[key] = torch.ops.torchgemma.qlinear_int(x, *args, x_bits)
             out[f"dequantize/{bits}/{group}/{scale_dtype}"] = torch.ops.torchgemma.dequantize(*args)
-    for name in ("qlinear_bounds", "row_norms", "bounded_candidates", "rms_norm", "rope", "decode_attention"):
+    for name in (
+        "qlinear_bounds", "row_norms", "bounded_candidates", "rms_norm", "rope", "decode_attention",
+        "decode_attention_ring",
+    ):  # fmt: skip
         for i, call in enumerate(samples(name)):
             result = getattr(torch.ops.torchgemma, name)(*call)
             for j, tensor in enumerate(result if isinstance(result, tuple) else [result]):

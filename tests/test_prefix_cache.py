@@ -375,7 +375,7 @@ def test_engine_checks(gen_checkpoints):
     model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.float32)
     with pytest.raises(ValueError, match=r"prefill_chunk \(12\) must be a multiple .* block_size \(8\)"):
         Engine(model, prefill_chunk=12, prefix_cache=PrefixCache(1000, block_size=8))
-    with pytest.raises(ValueError, match="hold 4 positions, fewer than prefill_chunk"):
+    with pytest.raises(ValueError, match="hold 5 positions, fewer than prefill_chunk"):
         Engine(
             model,
             cache=model.make_cache(1, 64),

@@ -10,7 +10,7 @@ Per layer, for ``S`` slots:
   when the cache is preallocated; otherwise the buffers start small and grow (at least doubling,
   in multiples of ``GROWTH_QUANTUM`` columns, never past ``max_len``) when a call needs more, so a
   request for 10^9 new tokens that stops after one costs what one token costs.
-* Sliding window: a ring of ``min(max_len, W - 1 + max_rollback)`` columns; position ``p`` lives
+* Sliding window: a ring of ``min(max_len, W + max_rollback)`` columns; position ``p`` lives
   in column ``p % ring``.
 * KV-shared: nothing. Those layers attend to their source layer's keys and values, produced in the
   same forward pass.
@@ -18,9 +18,11 @@ Per layer, for ``S`` slots:
 **The ring rule.** A query sees ``W`` keys ending at itself. A call reads the ``W - 1`` keys before
 its first token from the ring *before* writing its own, and attends to those plus its own keys
 straight from the projection. So the ring only has to keep the ``W - 1`` keys the next call
-needs: chunked prefill needs no slack, whatever the chunk size. Taking back ``k`` tokens moves the
-next call's start back by ``k``, so ``k`` more old keys must survive: ``max_rollback`` columns of
-slack, and that is all.
+needs: chunked prefill needs no slack, whatever the chunk size. One column more lets a decode step
+(one new token per row) write its key first and attend to all ``W`` keys where they lie in the ring
+(``RingKeys``: no copy of the window per layer and step). Taking back ``k`` tokens moves the next
+call's start back by ``k``, so ``k`` more old keys must survive: ``max_rollback`` columns of slack,
+and that is all.
 
 A slot's keys and values can be read out (``read``: positions a sliding ring still holds) and a
 sequence's first positions written back into a freed slot (``load_prefix``): the prefix cache
@@ -127,9 +129,10 @@ class FullLayerCache:
             setattr(self, name, grown)
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
+        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep, in_place: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys/values, then return columns ``[0, full_span)`` of the rows' slots."""
+        """Store this call's keys/values, then return columns ``[0, full_span)`` of the rows' slots
+        (views where the rows are a range: ``in_place`` changes nothing here)."""
         span = slice(0, step.full_span)
         start = step.common_start
         if start is not None:
@@ -143,6 +146,26 @@ class FullLayerCache:
         return _read(self.keys, step, span), _read(self.values, step, span)
 
 
+@dataclass
+class RingKeys:
+    """The keys (or values) of a decode step's rows where they lie in a ring buffer, not copied:
+    row ``b`` reads sequence ``slots[b]`` at columns ``(offsets[b] + j) % ring``, j = 0..length-1
+    (its ``length - 1`` past positions in order, then its new token). Attention backends that read
+    rings in place take it as it is (``reads_rings``); ``gather`` gives the (B, Hkv, length, D)
+    tensor the others take."""
+
+    buffer: torch.Tensor  # (slots, Hkv, ring, D)
+    slots: torch.Tensor  # (B,) int64
+    offsets: torch.Tensor  # (B,) int64
+    length: int
+
+    def gather(self) -> torch.Tensor:
+        columns = (
+            self.offsets[:, None] + torch.arange(self.length, device=self.offsets.device)
+        ) % self.buffer.shape[2]
+        return self.buffer[self.slots[:, None], :, columns].transpose(1, 2)
+
+
 class SlidingLayerCache:
     """A ring buffer: column ``p % ring`` holds position ``p`` (see the ring rule above)."""
 
@@ -153,9 +176,20 @@ class SlidingLayerCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``P`` keys before the call (read first), then this call's own: (B, Hkv, P + T, D)."""
+        self, key: torch.Tensor, value: torch.Tensor, step: CacheStep, in_place: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[RingKeys, RingKeys]:
+        """The ``P`` keys before the call (read first), then this call's own: (B, Hkv, P + T, D).
+        ``in_place``: a decode step's keys and values as ``RingKeys`` where the ring can hold them
+        all (the new ones written first)."""
+        if in_place and self._in_place(key, step):
+            past = step.past.shape[1]
+            self._store(key, value, step)
+            device = self.keys.device
+            offsets = torch.tensor([(start - past) % self.ring for start in step.starts], device=device)
+            slots = torch.tensor(step.slots, device=device)
+            return RingKeys(self.keys, slots, offsets, past + 1), RingKeys(
+                self.values, slots, offsets, past + 1
+            )
         if step.row_slice is not None and step.starts is not None and len(set(step.starts)) == 1:
             # Every row's past starts at the same ring column: the ring read as (at most) two
             # slices, in position order, copied with this call's keys in one cat (no gather).
@@ -182,6 +216,19 @@ class SlidingLayerCache:
         past_keys, past_values = _read(self.keys, step, columns), _read(self.values, step, columns)
         self._store(key, value, step)
         return torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
+
+    def _in_place(self, key: torch.Tensor, step: CacheStep) -> bool:
+        """A decode step (one token per row, every row storing it, host-side starts known) whose
+        window fits the ring beside the new key."""
+        return (
+            key.shape[2] == 1
+            and step.active is None
+            and step.written is None
+            and step.starts is not None
+            and step.slots is not None
+            and step.past.shape[1] + 1 <= self.ring
+            and not torch.compiler.is_compiling()
+        )
 
     def _store(self, key: torch.Tensor, value: torch.Tensor, step: CacheStep) -> None:
         # Only each sequence's last `ring` positions need storing (a chunk may be longer than the ring).
@@ -444,6 +491,7 @@ class KVCache:
 
 
 def sliding_ring(window: int, max_len: int, max_rollback: int, min_ring: int = 0) -> int:
-    """Columns a sliding layer keeps: the W - 1 keys the next call reads, plus the rollback slack
-    (at least ``min_ring``, never more than ``max_len``)."""
-    return max(1, min(max_len, max(window - 1 + max_rollback, min_ring)))
+    """Columns a sliding layer keeps: the W - 1 keys the next call reads and the column a decode
+    step writes its own key to first (see the ring rule), plus the rollback slack (at least
+    ``min_ring``, never more than ``max_len``)."""
+    return max(1, min(max_len, max(window + max_rollback, min_ring)))

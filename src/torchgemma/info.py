@@ -181,7 +181,7 @@ def kv_cache_bytes(
     config: ModelConfig, context: int, batch: int, dtype: torch.dtype, max_rollback: int = 0
 ) -> int:
     """What ``make_cache(batch, context, max_rollback=...)`` allocates: full layers ``context``
-    columns, sliding layers a ring of ``window - 1 + max_rollback`` (at most ``context``), KV-shared
+    columns, sliding layers a ring of ``window + max_rollback`` (at most ``context``), KV-shared
     layers none; keys and values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     ring = sliding_ring(config.text.sliding_window, context, max_rollback)
@@ -256,8 +256,9 @@ def describe(
             "sliding": sum(s.is_sliding for s in kv_layers),
             "full": sum(not s.is_sliding for s in kv_layers),
         },
-        # Sliding layers keep the W - 1 keys the next call reads, plus the tokens that may be
-        # taken back (speculative decoding): the slack. Chunked prefill needs none (see cache.py).
+        # Sliding layers keep the W - 1 keys the next call reads and the column a decode step writes
+        # first, plus the tokens that may be taken back (speculative decoding): the slack. Chunked
+        # prefill needs none (see cache.py).
         "kv_cache_sliding_columns": sliding_ring(text.sliding_window, context, max_rollback),
         "kv_cache_sliding_slack": max_rollback,
         "kv_cache_bytes": kv_cache_bytes(config, context, batch, kv_dtype, max_rollback),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache import RingKeys
 from ..kernels import ensure_kernels
 from ..model.attention import ATTENTION, AttentionInputs, sdpa_backend
 from ..model.layers import RMSNorm, apply_rope
@@ -81,23 +82,41 @@ def sdpa_with_decode_kernel(
     row by row when the rows' key ranges differ). The keys a row sees are the mask's (True-to-attend)
     or all of them; a row gets the same bits in a batch as alone (its visible keys, in order)."""
     mask = inputs.mask
+    rings = isinstance(key, RingKeys)
+    buffer = key.buffer if rings else key
     if (
         query.shape[2] == 1
         and query.dtype is torch.float32
-        and key.dtype is torch.float32
+        and buffer.dtype is torch.float32
         and query.device.type == "cpu"
         and (mask is None or (mask.dtype is torch.bool and mask.shape[1:3] == (1, 1)))
         and (mask is not None or inputs.rows is None)
         and ensure_kernels()
     ):
+        if rings:
+            # A decode step's sliding keys read where they lie in the ring (the same keys in the same
+            # order as gathered: the same bits).
+            first, end = 0, key.length
+            if inputs.key_slice is not None:
+                first, end, _ = inputs.key_slice.indices(key.length)
+            b, s = query.shape[0], end - first
+            visible = torch.ones(b, s, dtype=torch.bool) if mask is None else mask[:, 0, 0].expand(b, s)
+            offsets = key.offsets + first if first else key.offsets
+            return _DECODE_ATTENTION_RING(query, key.buffer, value.buffer, scale, visible, key.slots, offsets)
         if inputs.key_slice is not None:
             key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
         visible = None if mask is None else mask[:, 0, 0].expand(query.shape[0], key.shape[2])
         return _DECODE_ATTENTION(query, key, value, scale, visible)
+    if rings:
+        key, value = key.gather(), value.gather()
     return sdpa_backend(query, key, value, inputs, scale)
 
 
+sdpa_with_decode_kernel.reads_rings = True  # Attention hands it a decode step's sliding keys as RingKeys
+
+
 _DECODE_ATTENTION = torch.ops.torchgemma.decode_attention.default
+_DECODE_ATTENTION_RING = torch.ops.torchgemma.decode_attention_ring.default
 # What a fused model's attention layers run for each backend name.
 FUSED_ATTENTION = {**ATTENTION, "sdpa": sdpa_with_decode_kernel}
 

@@ -96,7 +96,7 @@ class Engine:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model = model
         # A prefix cache stores each prefill chunk after its forward: the sliding rings must still
-        # hold all of it then (they hold W - 1 + max_rollback positions otherwise).
+        # hold all of it then (they hold W + max_rollback positions otherwise).
         min_ring = 0 if prefix_cache is None else prefill_chunk
         if cache is None:
             cache = KVCache(

@@ -360,6 +360,30 @@ def _decode_attention_reference(q, k, v, scale: float, visible=None) -> torch.Te
     return out.reshape(b, 1, h, d)
 
 
+def _ring_columns(k: torch.Tensor, visible, slots, offsets):
+    """decode_attention_ring's arguments checked; each row's keys' columns (B, S)."""
+    b, s = visible.shape[0], visible.shape[-1]
+    if k.dim() != 4 or visible.dim() != 2 or slots.shape != (b,) or offsets.shape != (b,):
+        raise ValueError(
+            "decode_attention_ring: rings (N, Hkv, R, D), visible (B, S), slots and offsets (B,) expected, got "
+            f"{list(k.shape)}, {list(visible.shape)}, {list(slots.shape)}, {list(offsets.shape)}"
+        )
+    if s > k.shape[2]:
+        raise ValueError(f"decode_attention_ring: {s} keys per row do not fit a ring of {k.shape[2]}")
+    if b and not bool(((slots >= 0) & (slots < k.shape[0])).all()):
+        raise ValueError(f"decode_attention_ring: slots {slots.tolist()} must lie in 0..{k.shape[0] - 1}")
+    return (offsets.long()[:, None] + torch.arange(s, device=k.device)) % k.shape[2]
+
+
+def _decode_attention_ring_reference(q, k, v, scale: float, visible, slots, offsets) -> torch.Tensor:
+    """decode_attention over ring buffers k, v (N, Hkv, R, D): row b's S keys (visible (B, S)) are
+    sequence ``slots[b]``'s columns ``(offsets[b] + j) % R``, j = 0..S-1, gathered in that order."""
+    columns = _ring_columns(k, visible, slots, offsets)
+    rows = slots.long()[:, None]
+    keys, values = k[rows, :, columns].transpose(1, 2), v[rows, :, columns].transpose(1, 2)
+    return _decode_attention_reference(q, keys, values, scale, visible)
+
+
 # ── fakes: the output shapes and dtypes, for torch.compile ──────────────────────────────────────
 
 
@@ -410,6 +434,10 @@ def _rope_fake(x, cos, sin):
 
 
 def _decode_attention_fake(q, k, v, scale, visible=None):
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+
+def _decode_attention_ring_fake(q, k, v, scale, visible, slots, offsets):
     return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
@@ -474,6 +502,13 @@ OPERATORS: tuple[Operator, ...] = (
         "decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? visible=None) -> Tensor",
         _decode_attention_fake,
         _decode_attention_reference,
+    ),
+    # The same over ring buffers read in place (a decode step's sliding layers: cache.RingKeys).
+    Operator(
+        "decode_attention_ring(Tensor q, Tensor k, Tensor v, float scale, Tensor visible, Tensor slots, "
+        "Tensor offsets) -> Tensor",
+        _decode_attention_ring_fake,
+        _decode_attention_ring_reference,
     ),
 )
 

@@ -182,7 +182,9 @@ class Attention(nn.Module):
                 value = self.v_norm(value)
             value = value.transpose(1, 2)
             if cache is not None:
-                key, value = cache.update(key, value, step)
+                # Backends that read rings in place take a decode step's sliding keys where they lie.
+                in_place = getattr(self.backends[self.backend], "reads_rings", False)
+                key, value = cache.update(key, value, step, in_place)
             if spec.kv_role == "store":
                 shared_kv[spec.index] = (key, value)
 

@@ -1,5 +1,7 @@
 // decode_attention: one new token's attention over all its keys.
 
+#include <numeric>
+
 #include "common.h"
 
 namespace torchgemma::TG_ISA {
@@ -154,38 +156,14 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
   }
 }
 
-// q (B, H, 1, D), k and v (B, Hkv, S, D) (any strides but the last) -> (B, 1, H, D), float32.
-// `visible` (B, S) bool, optional: the keys each row sees (the others are skipped; every row must see
-// at least one). A row gets the bits it would get from its visible keys alone, in column order.
-at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                double scale_in, const std::optional<at::Tensor>& visible_in) {
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
-                  v_in.scalar_type() == at::kFloat,
-              "decode_attention: float32 tensors expected");
-  TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1 && k_in.dim() == 4 && v_in.sizes() == k_in.sizes() &&
-                  k_in.size(0) == q_in.size(0) && k_in.size(3) == q_in.size(3) && k_in.size(1) > 0 &&
-                  q_in.size(1) % k_in.size(1) == 0 && k_in.size(2) > 0,
-              "decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got ", q_in.sizes(), ", ",
-              k_in.sizes(), ", ", v_in.sizes());
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
-  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2), D = q.size(3), G = H / Hkv;
-  // Each row's visible columns, in order (all of them without `visible`).
-  std::vector<std::vector<int64_t>> columns(B);
-  std::vector<int64_t> counts(B, S);
-  if (visible_in) {
-    const at::Tensor visible = visible_in->to(at::kBool).contiguous();
-    TORCH_CHECK(visible.dim() == 2 && visible.size(0) == B && visible.size(1) == S,
-                "decode_attention: visible must be (B, S) = (", B, ", ", S, "), got ", visible.sizes());
-    const bool* vp = visible.data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t j = 0; j < S; ++j)
-        if (vp[b * S + j]) columns[b].push_back(j);
-      counts[b] = static_cast<int64_t>(columns[b].size());
-      TORCH_CHECK(counts[b] > 0, "decode_attention: row ", b, " sees no key (a softmax over none is 0 / 0)");
-    }
-  }
+// The attention of B rows, one query each (q (B, H, 1, D) contiguous): row b's keys and values are those
+// of k and v at dim-0 index rows[b], at the columns columns[b] (in that order), or at columns 0..S-1
+// where columns is empty. Contexts of more than kPiece keys are split into pieces (see kPiece).
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& rows,
+                       const std::vector<std::vector<int64_t>>& columns, const std::vector<int64_t>& counts,
+                       double scale_in) {
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(3), G = H / Hkv;
+  const int64_t widest = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
   // The pieces of work: (row, KV head, piece), in that order.
   std::vector<int64_t> first_piece(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) first_piece[b + 1] = first_piece[b] + (counts[b] + kPiece - 1) / kPiece;
@@ -196,18 +174,18 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   at::parallel_for(0, Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * std::min(S, kPiece));
+    std::vector<float> probs(G * std::min(widest, kPiece));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kh = task / pieces, piece = task % pieces;
       const int64_t b = std::upper_bound(first_piece.begin(), first_piece.end(), piece) - first_piece.begin() - 1;
       const int64_t lo = (piece - first_piece[b]) * kPiece, count = std::min(kPiece, counts[b] - lo);
-      const float* keys = kp + b * k.stride(0) + kh * k.stride(1);
-      const float* values = vp + b * v.stride(0) + kh * v.stride(1);
+      const float* keys = kp + rows[b] * k.stride(0) + kh * k.stride(1);
+      const float* values = vp + rows[b] * v.stride(0) + kh * v.stride(1);
       const float* queries = qp + (b * H + kh * G) * D;  // the group's G query heads, one after another
       float* top = tops.data() + task * G;
       float* sum = sums.data() + task * G;
       float* acc = accs.data() + task * G * D;
-      if (visible_in) {
+      if (!columns.empty()) {
         const int64_t* cols = columns[b].data() + lo;
         attend_piece(queries, keys, k.stride(2), values, v.stride(2), [cols](int64_t j) { return cols[j]; }, count,
                      G, D, scale, probs.data(), top, sum, acc);
@@ -246,6 +224,80 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
     }
   }
   return out;
+}
+
+// The columns row b's visible (B, S) marks, each mapped by `column` (in order), and how many.
+template <typename Column>
+void visible_columns(const at::Tensor& visible_in, int64_t B, int64_t S, Column column,
+                     std::vector<std::vector<int64_t>>& columns, std::vector<int64_t>& counts) {
+  const at::Tensor visible = visible_in.to(at::kBool).contiguous();
+  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == B && visible.size(1) == S,
+              "decode_attention: visible must be (B, S) = (", B, ", ", S, "), got ", visible.sizes());
+  const bool* vp = visible.data_ptr<bool>();
+  columns.assign(B, {});
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < S; ++j)
+      if (vp[b * S + j]) columns[b].push_back(column(b, j));
+    counts[b] = static_cast<int64_t>(columns[b].size());
+    TORCH_CHECK(counts[b] > 0, "decode_attention: row ", b, " sees no key (a softmax over none is 0 / 0)");
+  }
+}
+
+void check_query(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, op,
+              ": float32 tensors expected");
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(3) == q.size(3) &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
+              op, ": q (B, H, 1, D) and k, v (*, Hkv, S, D) expected, got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+}
+
+// q (B, H, 1, D), k and v (B, Hkv, S, D) (any strides but the last) -> (B, 1, H, D), float32.
+// `visible` (B, S) bool, optional: the keys each row sees (the others are skipped; every row must see
+// at least one). A row gets the bits it would get from its visible keys alone, in column order.
+at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                double scale, const std::optional<at::Tensor>& visible) {
+  check_query("decode_attention", q_in, k_in, v_in);
+  TORCH_CHECK(k_in.size(0) == q_in.size(0), "decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got ",
+              q_in.sizes(), ", ", k_in.sizes());
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const int64_t B = q.size(0), S = k.size(2);
+  std::vector<int64_t> rows(B), counts(B, S);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::vector<std::vector<int64_t>> columns;
+  if (visible) visible_columns(*visible, B, S, [](int64_t, int64_t j) { return j; }, columns, counts);
+  return attend_rows(q, k, v, rows, columns, counts, scale);
+}
+
+// decode_attention over ring buffers, read in place: k and v (N, Hkv, R, D) hold N sequences' rings
+// (column c of sequence n holds a position p with p % R == c); row b attends to sequence slots[b], its
+// S logical keys j = 0..S-1 (visible (B, S)) at columns (offsets[b] + j) % R. The same bits as
+// decode_attention over those keys gathered, in that order.
+at::Tensor decode_attention_ring_cpu(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
+                                     const at::Tensor& visible, const at::Tensor& slots_in,
+                                     const at::Tensor& offsets_in) {
+  check_query("decode_attention_ring", q_in, k, v);
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_ring: rings must be contiguous in D");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), N = k.size(0), R = k.size(2), S = visible.size(-1);
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), offsets = offsets_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && offsets.dim() == 1 && offsets.size(0) == B,
+              "decode_attention_ring: slots and offsets must be (B,) = (", B, ",), got ", slots.sizes(), " and ",
+              offsets.sizes());
+  TORCH_CHECK(S <= R, "decode_attention_ring: ", S, " keys per row do not fit a ring of ", R);
+  std::vector<int64_t> rows(B), counts(B);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= sp[b] && sp[b] < N, "decode_attention_ring: slot ", sp[b], " of row ", b, " is not in 0..", N - 1);
+    rows[b] = sp[b];
+  }
+  std::vector<std::vector<int64_t>> columns;
+  visible_columns(
+      visible, B, S, [&](int64_t b, int64_t j) { return ((op[b] + j) % R + R) % R; }, columns, counts);
+  return attend_rows(q, k, v, rows, columns, counts, scale);
 }
 
 }  // namespace torchgemma::TG_ISA

@@ -30,5 +30,7 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
 // decode_attention.cpp
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 const std::optional<at::Tensor>& visible);
+at::Tensor decode_attention_ring_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                     const at::Tensor& visible, const at::Tensor& slots, const at::Tensor& offsets);
 
 }  // namespace torchgemma::TG_ISA

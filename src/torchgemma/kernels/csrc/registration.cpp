@@ -45,13 +45,14 @@ struct Kernels {
   decltype(&portable::rms_norm_cpu) rms_norm;
   decltype(&portable::rope_cpu) rope;
   decltype(&portable::decode_attention_cpu) decode_attention;
+  decltype(&portable::decode_attention_ring_cpu) decode_attention_ring;
 };
 
 #define TG_KERNELS(isa)                                                                                         \
   Kernels {                                                                                                     \
     &isa::qlinear_cpu, &isa::dequantize_cpu, &isa::qlinear_dense_cpu, &isa::qlinear_int_cpu,                  \
         &isa::qlinear_bounds_cpu, &isa::row_norms_cpu, &isa::bounded_candidates_cpu, &isa::rms_norm_cpu,      \
-        &isa::rope_cpu, &isa::decode_attention_cpu                                                            \
+        &isa::rope_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu                            \
   }
 
 constexpr int kSets = 3;
@@ -118,6 +119,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& visible) {
   return kernels().decode_attention(q, k, v, scale, visible);
 }
+at::Tensor decode_attention_ring(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                 const at::Tensor& visible, const at::Tensor& slots, const at::Tensor& offsets) {
+  return kernels().decode_attention_ring(q, k, v, scale, visible, slots, offsets);
+}
 
 std::string error;  // the last failure's message (torchgemma_error)
 
@@ -172,6 +177,7 @@ int torchgemma_register() {
     fresh->impl("rms_norm", TORCH_FN(torchgemma::rms_norm));
     fresh->impl("rope", TORCH_FN(torchgemma::rope));
     fresh->impl("decode_attention", TORCH_FN(torchgemma::decode_attention));
+    fresh->impl("decode_attention_ring", TORCH_FN(torchgemma::decode_attention_ring));
     library = fresh;
   } catch (const std::exception& e) {
     torchgemma::error = e.what();
