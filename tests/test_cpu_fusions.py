@@ -105,6 +105,22 @@ def test_decode_attention_gives_a_row_its_own_bits_in_a_batch_and_on_any_thread_
         torch.set_num_threads(before)
 
 
+def test_decode_attention_over_rings_gives_the_gathered_keys_bits():
+    """Rows reading their windows in place from ring buffers (each its slot and offset, wrapping past
+    the ring's end, some keys not visible) get the bits of decode_attention over the same keys
+    gathered in that order."""
+    gen = torch.Generator().manual_seed(6)
+    rings_k, rings_v = torch.randn(2, 4, 2, 50, 64, generator=gen).unbind(0)
+    q = torch.randn(3, 4, 1, 64, generator=gen)
+    slots, offsets = torch.tensor([3, 0, 3]), torch.tensor([45, 0, 7])
+    visible = torch.rand(3, 48, generator=gen) < 0.9
+    visible[:, -1] = True
+    columns = (offsets[:, None] + torch.arange(48)) % 50
+    keys, values = (t[slots[:, None], :, columns].transpose(1, 2) for t in (rings_k, rings_v))
+    ring = torch.ops.torchgemma.decode_attention_ring(q, rings_k, rings_v, 0.125, visible, slots, offsets)
+    assert torch.equal(ring, decode(q, keys, values, 0.125, visible))
+
+
 def test_a_batched_decode_step_of_rows_with_their_own_lengths_takes_one_call(text_checkpoints, monkeypatch):
     """The engine's decode step over requests of different lengths (each row its own key range) runs
     the one-call attention, and each request's tokens are its tokens alone (its logprobs to float32
