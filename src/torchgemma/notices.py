@@ -24,9 +24,10 @@ def say(message: str) -> None:
 
 
 @contextmanager
-def slow_notice(message: str, after: float = NOTICE_AFTER_SECONDS) -> Iterator[None]:
-    """Print ``message`` on stderr if the block is still running ``after`` seconds in."""
-    timer = threading.Timer(after, say, args=(message,))
+def slow_notice(message: str, after: float | None = None) -> Iterator[None]:
+    """Print ``message`` on stderr if the block is still running ``after`` seconds in (default
+    ``NOTICE_AFTER_SECONDS``)."""
+    timer = threading.Timer(NOTICE_AFTER_SECONDS if after is None else after, say, args=(message,))
     timer.daemon = True  # never keeps a process alive
     timer.start()
     try:
