@@ -20,7 +20,7 @@ THREADS_HELP = (
     "CPU threads for the model: N, or auto (the cores the last minute's load average leaves idle, at "
     "least 1). Default: half the cores this process may use, at least 1. Every decode step waits for "
     "all its threads, so a thread whose core other work holds stalls each step: gemma3-270m decode on "
-    "a busy 2-core machine ran at 4.6 tok/s on 1 thread and 1.3 on 2"
+    "a busy 2-core machine ran at 4.6 tok/s with 1 thread and 1.3 tok/s with 2 threads"
 )
 
 

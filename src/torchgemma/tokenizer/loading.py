@@ -157,8 +157,7 @@ def chat_templates_of(path: Path) -> str | dict[str, str] | None:
         from ..weights.gguf.reader import read_gguf_metadata
 
         return read_gguf_metadata(path).get("tokenizer.chat_template") or None
-    config = _read_json(path, "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
-    return _chat_templates(path, config)
+    return _chat_templates(path, _read_json(path, "tokenizer_config.json"))
 
 
 def _read_json(folder: Path, name: str) -> dict:
