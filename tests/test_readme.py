@@ -61,6 +61,25 @@ def test_readme_has_python_blocks_and_known_marks():
         compile(block.code, f"README.md, the block at line {block.lineno}", "exec")
 
 
+def test_continued_blocks_continue_python():
+    """pytest-codeblocks appends a continued block to the code block before it, whatever its language:
+    a python block continuing a bash one would be neither run nor compiled."""
+    inside, previous, continued_at = False, None, None
+    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip() == "<!--pytest-codeblocks:cont-->":
+            assert previous == "python", f"README line {number}: continues a {previous!r} block"
+            continued_at = number
+        elif line.startswith("```"):
+            inside = not inside
+            if inside:  # an opening fence: its language
+                previous = line[3:].strip()
+                if continued_at is not None:
+                    assert previous == "python", (
+                        f"README line {continued_at}: continued by a {previous!r} block"
+                    )
+                    continued_at = None
+
+
 @pytest.mark.parametrize("block", block_params())
 def test_readme_block_runs(block, tmp_path):
     slow = any(mark.startswith("pytest.mark.slow") for mark in block.marks)
