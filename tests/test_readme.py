@@ -16,6 +16,7 @@ example that cannot run here is caught too.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,8 @@ def test_readme_block_runs(block, tmp_path):
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"README.md's block at line {block.lineno} ran past {err.timeout} s:\n{block.code}")
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)  # what a block saved (a 1 GB float32 copy of the 270M)
     assert done.returncode == 0, (
         f"README.md's block at line {block.lineno} failed (exit {done.returncode}):\n{block.code}\n"
         f"--- stderr ---\n{done.stderr[-4000:]}"
