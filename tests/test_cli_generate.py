@@ -141,6 +141,7 @@ class ThinkingLLM:
 def test_chat_routes_thinking_to_stderr(capsys, monkeypatch):
     stub = ThinkingLLM()
     monkeypatch.setattr("torchgemma.cli.chat.load_llm", lambda args: stub)
+    monkeypatch.setattr("torchgemma.cli.chat.check_chat_template", lambda args: None)  # no files for "m"
     code, out, err = run(
         ["chat", "--model", "m", "--think", "--top-k", "5"], capsys, "one\ntwo\n", monkeypatch
     )

@@ -91,6 +91,8 @@ def test_torchgemma_chat_stops_at_end_of_turn(gemma3_chat, monkeypatch, capsys) 
 
     llm, hook, natural = gemma3_chat
     monkeypatch.setattr("torchgemma.cli.chat.load_llm", lambda args: llm)
+    # The fixture's chat template is set on its LLM, not in the GGUF file the check before loading reads.
+    monkeypatch.setattr("torchgemma.cli.chat.check_chat_template", lambda args: None)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Name a colour.\n"))
     hook.arm(NATURAL_STEPS + 1)
     argv = ["chat", "--model", "gemma3-270m", "--temperature", "0", "--max-new-tokens", str(MAX_NEW_TOKENS)]

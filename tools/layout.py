@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Lowest first. A name is a top-level module or package of torchgemma.
 LAYERS = [
-    ["config"],
+    ["config", "notices"],
     ["kernels"],
     ["cache", "model"],
     ["placement", "quantization", "acceleration", "weights"],

@@ -45,8 +45,6 @@ from .tokenizer import UnknownTokenError, load_tokenizer
 from .weights.loading import load
 from .weights.source import resolve_source
 
-# When neither the caller nor generation_config.json says how long a reply may be.
-DEFAULT_MAX_NEW_TOKENS = 512
 # The prefix cache's bound (GiB): the 270M in float32 keeps ~36 KiB per token (~29k tokens), E2B in
 # bf16 ~18 KiB (15 of its 35 layers own keys); it fills only as prompts are seen.
 DEFAULT_PREFIX_CACHE_GB = 1.0
@@ -469,7 +467,7 @@ class LLM:
             if turn_end is not None and turn_end not in stops:
                 stops = (*stops, turn_end)
         if max_new_tokens is None:
-            max_new_tokens = self.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+            max_new_tokens = self.generation_config.reply_limit(bool(self.tokenizer.chat_template))
         return _Run(sampling, tuple(stops), max_new_tokens, stats, grammar)
 
     def _grammar(self, settings: dict[str, Any], chat: Mapping[str, Any] | bool) -> Grammar | None:

@@ -24,6 +24,7 @@ import torch
 
 from ..cache import KVCache
 from ..model import Gemma
+from ..notices import slow_notice
 
 
 def decode_step(
@@ -51,6 +52,7 @@ class CompiledDecode:
         self.model = model
         self.step = torch.compile(decode_step, backend=backend, fullgraph=True, dynamic=False, **options)
         self._static: weakref.WeakSet[KVCache] = weakref.WeakSet()
+        self._shapes: set[tuple[int, int]] = set()  # (slots, columns) traced so far: one graph each
 
     def __call__(
         self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor
@@ -65,7 +67,17 @@ class CompiledDecode:
                         torch._dynamo.mark_static_address(layer.values)
                 self._static.add(cache)
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.step(self.model, cache, tokens, positions, active)
+        shape = (tokens.shape[0], cache.max_len)
+        if shape in self._shapes:
+            logits = self.step(self.model, cache, tokens, positions, active)
+        else:
+            # torch.compile traces and compiles at the first call of each cache shape.
+            with slow_notice(
+                f"torchgemma: compiling the decode step for {shape[0]} slot(s) x {shape[1]:,} tokens "
+                "(torch.compile, once per cache shape: minutes on a small CPU)..."
+            ):
+                logits = self.step(self.model, cache, tokens, positions, active)
+            self._shapes.add(shape)
         # A graph replay reuses its output memory: hand out a copy.
         return logits.clone() if self.cuda_graphs else logits
 

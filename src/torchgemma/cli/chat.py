@@ -7,9 +7,19 @@ import sys
 from contextlib import suppress
 from pathlib import Path
 
-from ..llm import DEFAULT_MAX_NEW_TOKENS
-from .common import CLIError, check_text, load_llm, one_line, prepare, report_speed, sampling_params, utf8
+from .common import (
+    CLIError,
+    check_text,
+    default_limit_hint,
+    load_llm,
+    one_line,
+    prepare,
+    report_speed,
+    sampling_params,
+    utf8,
+)
 from .options import add_generation_flags, add_media_flags, int_at_least
+from .precheck import check_chat_template, check_media
 
 
 def add_parser(commands) -> None:
@@ -74,6 +84,8 @@ def read_template(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     template = read_template(args.chat_template) if args.chat_template else None
     prepare(args)
+    check_chat_template(args)
+    check_media(args)
     llm = load_llm(args)
     if template is not None:
         llm.tokenizer.chat_template = template
@@ -101,9 +113,8 @@ class Chat:
             enable_thinking=args.think, sanitize_control_tokens=not args.allow_control_tokens
         )
         self.max_len = min(args.max_len or llm.context_length, llm.context_length)
-        self.reply_tokens = (
-            args.max_new_tokens or llm.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        )
+        self.reply_tokens = args.max_new_tokens or llm.generation_config.reply_limit(chat_model=True)
+        self.hinted = False  # the default-limit hint, said once per chat
         self.interactive = sys.stdin.isatty()
 
     def messages(self) -> list[dict]:
@@ -218,6 +229,9 @@ class Chat:
             print(file=sys.stderr)
         print(flush=True)
         self.turns.append({"role": "assistant", "content": "".join(answer)})
+        if not self.hinted and stats.steps >= self.reply_tokens:
+            default_limit_hint(self.args, self.llm, stats.steps)
+            self.hinted = self.args.max_new_tokens is None
         if self.args.verbose:
             report_speed(stats, sys.stderr)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..generation import SamplingParams
-from .options import default_threads
+from .options import auto_threads, default_threads
 
 # Flags that only matter when sampling: given without --temperature they switch sampling on.
 SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")
@@ -118,6 +118,8 @@ def prepare(args: argparse.Namespace) -> None:
     args.device = resolve_device(args.device)
     if args.threads is None:
         args.threads = default_threads()
+    elif args.threads == "auto":
+        args.threads = auto_threads()
 
 
 # ---- the model ----------------------------------------------------------------------------------------
@@ -201,6 +203,19 @@ def sampling_params(args: argparse.Namespace, llm) -> SamplingParams:
             file=sys.stderr,
         )
     return llm.generation_config.sampling(**chosen)
+
+
+def default_limit_hint(args: argparse.Namespace, llm, new_tokens: int) -> None:
+    """Say on stderr how to get a longer reply when one stopped at the default limit (no
+    --max-new-tokens given); nothing otherwise, and nothing under --quiet."""
+    limit = llm.generation_config.reply_limit(bool(llm.tokenizer.chat_template))
+    if args.max_new_tokens is None and new_tokens >= limit and not args.quiet:
+        print(
+            f"torchgemma {args.command}: the reply reached the default limit of {limit} new tokens; "
+            "--max-new-tokens N sets another",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def report_speed(stats, out) -> None:

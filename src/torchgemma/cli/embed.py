@@ -8,6 +8,7 @@ import sys
 
 from .common import CLIError, load_llm, prepare
 from .options import add_model_flags, int_at_least
+from .precheck import check_sentence_head
 
 
 def add_parser(commands) -> None:
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("no texts: give them as arguments or on standard input, one per line")
     args.image = args.audio = args.video = []
     prepare(args)
+    check_sentence_head(args)
     llm = load_llm(args)
     if not llm.has_sentence_head:
         raise CLIError(f"{args.model} has no sentence-transformers modules (modules.json): it cannot embed")

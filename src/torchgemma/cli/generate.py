@@ -8,8 +8,18 @@ import math
 import sys
 import time
 
-from .common import CLIError, check_text, load_llm, prepare, report_speed, sampling_params, utf8
+from .common import (
+    CLIError,
+    check_text,
+    default_limit_hint,
+    load_llm,
+    prepare,
+    report_speed,
+    sampling_params,
+    utf8,
+)
 from .options import add_generation_flags, add_media_flags
+from .precheck import check_media
 
 IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER = "<|image|>", "<|audio|>", "<|video|>"
 
@@ -70,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = with_placeholders(read_prompt(args), args.image, args.audio, args.video)
     prepare(args)
+    check_media(args)
     start = time.perf_counter()
     llm = load_llm(args)
     load_seconds = time.perf_counter() - start
@@ -88,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    default_limit_hint(args, llm, stats.steps)
     if not args.quiet:
         report_speed(stats, sys.stderr)
     return 0

@@ -17,8 +17,10 @@ from ..weights.loading import resolve_dtype
 # 4.6 tok/s, 2 threads 1.3 tok/s; with a busy loop on one core as well, 1.8 vs 0.55. Half the cores
 # (the physical ones where cores are hyperthreads) leaves room for whatever else runs.
 THREADS_HELP = (
-    "CPU threads for the model (default: half the cores this process may use, at least 1; "
-    "gemma3-270m decode on a busy 2-core machine: 1 thread 4.6 tok/s, 2 threads 1.3 tok/s)"
+    "CPU threads for the model: N, or auto (the cores the last minute's load average leaves idle, at "
+    "least 1). Default: half the cores this process may use, at least 1. Every decode step waits for "
+    "all its threads, so a thread whose core other work holds stalls each step: gemma3-270m decode on "
+    "a busy 2-core machine ran at 4.6 tok/s with 1 thread and 1.3 tok/s with 2 threads"
 )
 
 
@@ -29,9 +31,34 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_threads() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // 2)
+    return max(1, usable_cores() // 2)
+
+
+def auto_threads(load_average: float | None = None) -> int:
+    """``--threads auto``: the cores the 1-minute load average leaves idle (rounded), at least 1 and
+    at most the usable cores. A measure of the recent past, not a promise: other work that starts
+    later still contends. Without a load average (Windows) the default's half."""
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return default_threads()
+    cores = usable_cores()
+    return max(1, min(cores, round(cores - load_average)))
+
+
+def parse_threads(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int_at_least(1)(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of threads (>= 1) or auto, not {text!r}") from None
 
 
 # ---- argument types ---------------------------------------------------------------------------------
@@ -104,7 +131,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int_at_least(1),
+        type=parse_threads,
         default=None,
         metavar="N",
         help=THREADS_HELP,
@@ -145,7 +172,8 @@ def add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: s
         type=int_at_least(1),
         default=None,
         metavar="N",
-        help="most tokens per reply (default: the checkpoint's, else 512)",
+        help="most tokens per reply (default: the checkpoint's generation_config.json, else 512 for a chat "
+        "model, 64 for a base model, whose greedy continuations loop)",
     )
     talk = parser.add_mutually_exclusive_group()
     talk.add_argument("-q", "--quiet", action="store_true", help=quiet)

@@ -16,6 +16,13 @@ from typing import Any
 from ..config import TextConfig
 from .sampling import SamplingParams
 
+# A reply's limit when neither the call nor generation_config.json gives one. A chat model's reply
+# ends at its end of turn; a base model (no chat template) continues until the limit, and greedy
+# continuations loop: the real 270M repeats one line from ~60 tokens on (512 tokens: ~5 repeats of a
+# paragraph), so a base model's default is a short continuation (the CLI says how to get more).
+CHAT_MAX_NEW_TOKENS = 512
+BASE_MAX_NEW_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -64,6 +71,11 @@ class GenerationConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
         return cls.from_dict(data, text)
+
+    def reply_limit(self, chat_model: bool) -> int:
+        """``max_new_tokens`` when a call gives none: the file's, else 512 for a chat model (one with
+        a chat template), else 64."""
+        return self.max_new_tokens or (CHAT_MAX_NEW_TOKENS if chat_model else BASE_MAX_NEW_TOKENS)
 
     def sampling(
         self,

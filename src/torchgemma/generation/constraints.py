@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..notices import slow_notice
 from ..replies.tool_grammar import tool_call_lark
 from .sampling import SamplingParams, check_scores, next_token, process_logits
 
@@ -84,30 +85,38 @@ def vocabulary_of(tokenizer) -> Vocabulary:
     with _LOCK:
         found = _VOCABULARIES.get(tokenizer)
         if found is None:
-            llguidance = _llguidance()
-            try:
-                eos = tokenizer.named_id("eos_token")
-            except Exception:  # noqa: BLE001 - no eos token: any special id stands for the end
-                eos = min(tokenizer.special_ids) if tokenizer.special_ids else 0
-            spec = json.loads(tokenizer.backend.to_str())
-            for added in spec.get("added_tokens", ()):
-                content = added["content"]
-                added["special"] = added["special"] or (content.startswith("<") and content.endswith(">"))
-            lltokenizer = llguidance.LLTokenizer(
-                json.dumps(spec), n_vocab=tokenizer.vocab_size, eos_token=eos
-            )
-            found = _VOCABULARIES[tokenizer] = Vocabulary(
-                lltokenizer,
-                sorted(set(lltokenizer.eos_tokens) | {lltokenizer.eos_token}),
-                *_duplicates(tokenizer.token_bytes, lltokenizer),
-            )
-            # The spec's temporaries (its JSON, twice) back to the OS: the 270M's vocabulary left
-            # the process 484 MiB larger, 254 after the trim (measured). (Imported here: importing
-            # torchgemma leaves the tokenizer libraries for first use.)
-            from ..tokenizer.loading import release_freed_heap
-
-            release_freed_heap()
+            with slow_notice(
+                "torchgemma: reading the vocabulary for constrained output (once per tokenizer: seconds "
+                "for a 262K vocabulary)..."
+            ):
+                found = _VOCABULARIES[tokenizer] = _read_vocabulary(tokenizer)
         return found
+
+
+def _read_vocabulary(tokenizer) -> Vocabulary:
+    """llguidance's tokenizer for ``tokenizer`` (``vocabulary_of``'s work, done once per tokenizer)."""
+    llguidance = _llguidance()
+    try:
+        eos = tokenizer.named_id("eos_token")
+    except Exception:  # noqa: BLE001 - no eos token: any special id stands for the end
+        eos = min(tokenizer.special_ids) if tokenizer.special_ids else 0
+    spec = json.loads(tokenizer.backend.to_str())
+    for added in spec.get("added_tokens", ()):
+        content = added["content"]
+        added["special"] = added["special"] or (content.startswith("<") and content.endswith(">"))
+    lltokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=tokenizer.vocab_size, eos_token=eos)
+    found = Vocabulary(
+        lltokenizer,
+        sorted(set(lltokenizer.eos_tokens) | {lltokenizer.eos_token}),
+        *_duplicates(tokenizer.token_bytes, lltokenizer),
+    )
+    # The spec's temporaries (its JSON, twice) back to the OS: the 270M's vocabulary left
+    # the process 484 MiB larger, 254 after the trim (measured). (Imported here: importing
+    # torchgemma leaves the tokenizer libraries for first use.)
+    from ..tokenizer.loading import release_freed_heap
+
+    release_freed_heap()
+    return found
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.text import Experts, TextModel, expert_linear
+from ..notices import slow_notice
 
 # torch's rule (aten/src/ATen/native/mkldnn/Matmul.cpp, checksize): oneDNN takes a reduced-precision
 # product of more than this many multiply-adds on CPUs where it supports the type.
@@ -80,7 +81,11 @@ class RowProbe:
         max_rows = max(max_rows, 2)
         known = _PROBES.setdefault(model, {})
         if (max_rows, dtype) not in known:
-            known[max_rows, dtype] = cls._run(model, max_rows, dtype)
+            with slow_notice(
+                "torchgemma: checking at which batch size this CPU's kernels change a row's bits "
+                "(once per model: Engine(batch_invariant=...))..."
+            ):
+                known[max_rows, dtype] = cls._run(model, max_rows, dtype)
         return known[max_rows, dtype]
 
     @classmethod

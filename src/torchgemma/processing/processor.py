@@ -57,6 +57,52 @@ class ExpandedRows:
     media: dict[str, torch.Tensor]
 
 
+def takes_audio(config: ModelConfig) -> bool:
+    """Whether a checkpoint runs audio: an audio tower (Gemma 4, Gemma 3n) or embedder (unified)."""
+    if config.encoder_free:
+        return config.unified_audio is not None
+    return config.audio_config is not None or config.gemma3n_audio is not None
+
+
+def check_media_towers(
+    config: ModelConfig,
+    images: Sequence[Any],
+    audio: Sequence[Any],
+    videos: Sequence[Any],
+    *,
+    towers_note: str,
+) -> None:
+    """Refuse, by name, media the checkpoint has no tower (or embedder) torchgemma builds for: from
+    its config alone, so that the CLI checks it before the weights load (cli/precheck.py)."""
+    vision = config.vision_config
+    visual = "images" if images else "videos" if videos else None
+    if config.encoder_free:
+        # Encoder-free embedders rather than towers (model/unified.py).
+        for given, embedder, kind in (
+            (images or videos, config.unified_vision, "vision"),
+            (audio, config.unified_audio, "audio"),
+        ):
+            if given and embedder is None:
+                raise ValueError(
+                    f"this gemma4_unified checkpoint has no {kind}_config: it cannot take {kind} input"
+                )
+    elif visual and vision is None:
+        raise ValueError(
+            f"this checkpoint has no vision tower torchgemma builds ({towers_note}): it cannot take {visual}"
+        )
+    elif visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
+        raise ValueError(
+            f"image preprocessing makes {PATCH_SIZE} px patches pooled "
+            f"{POOLING_KERNEL}x{POOLING_KERNEL}, "
+            f"but this vision tower takes {vision.patch_size} px patches pooled "
+            f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
+        )
+    if audio and not takes_audio(config):
+        raise ValueError(
+            f"this checkpoint has no audio tower torchgemma builds ({towers_note}): it cannot take audio"
+        )
+
+
 class Processor:
     """Prompts and media of one checkpoint (``tokenizer``, its model ``config``, and the processor
     settings of its ``folder``: ``processor_config.json`` and friends).
@@ -102,10 +148,7 @@ class Processor:
     @property
     def takes_audio(self) -> bool:
         """Whether the checkpoint runs audio: an audio tower (Gemma 4, Gemma 3n) or embedder (unified)."""
-        config = self.config
-        if self._unified:
-            return config.unified_audio is not None
-        return config.audio_config is not None or config.gemma3n_audio is not None
+        return takes_audio(self.config)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -314,35 +357,7 @@ class Processor:
     def _media_tokens(self, images: list, audio: list, videos: list) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
         config = self.config
-        vision = config.vision_config
-        visual = "images" if images else "videos" if videos else None
-        if self._unified:
-            # Encoder-free embedders rather than towers (model/unified.py).
-            for given, embedder, kind in (
-                (images or videos, config.unified_vision, "vision"),
-                (audio, config.unified_audio, "audio"),
-            ):
-                if given and embedder is None:
-                    raise ValueError(
-                        f"this gemma4_unified checkpoint has no {kind}_config: it cannot take {kind} input"
-                    )
-        elif visual and vision is None:
-            raise ValueError(
-                f"this checkpoint has no vision tower torchgemma builds ({self.towers_note}): "
-                f"it cannot take {visual}"
-            )
-        elif visual and (vision.patch_size, vision.pooling_kernel_size) != (PATCH_SIZE, POOLING_KERNEL):
-            raise ValueError(
-                f"image preprocessing makes {PATCH_SIZE} px patches pooled "
-                f"{POOLING_KERNEL}x{POOLING_KERNEL}, "
-                f"but this vision tower takes {vision.patch_size} px patches pooled "
-                f"{vision.pooling_kernel_size}x{vision.pooling_kernel_size}"
-            )
-        if audio and not self.takes_audio:
-            raise ValueError(
-                f"this checkpoint has no audio tower torchgemma builds ({self.towers_note}): "
-                "it cannot take audio"
-            )
+        check_media_towers(config, images, audio, videos, towers_note=self.towers_note)
         try:
             tokens = MediaTokens.from_tokenizer(self.tokenizer)
         except UnknownTokenError as error:

@@ -75,7 +75,9 @@ def select_chat_template(
     if chat_template is None:
         raise ChatTemplateError(
             f"This tokenizer has no chat template{where}: neither chat_template.jinja nor a 'chat_template' "
-            "entry in tokenizer_config.json was found. Pass chat_template=... explicitly."
+            "entry in tokenizer_config.json was found (a base model: continue raw text with generate). "
+            "To chat anyway, give it one: tokenizer.chat_template = '<a Jinja template>' (llm.tokenizer "
+            "for an LLM; `torchgemma chat --chat-template FILE`), or apply_chat_template(..., chat_template=...)."
         )
     if isinstance(chat_template, str):
         return chat_template
@@ -85,7 +87,8 @@ def select_chat_template(
         return chat_template["default"]
     raise ChatTemplateError(
         f"This tokenizer has several chat templates and none is named 'default'{where}; "
-        f"pass one of {sorted(chat_template)} as chat_template=..."
+        f"choose one of {sorted(chat_template)}: tokenizer.chat_template = tokenizer.chat_template[NAME] "
+        "(llm.tokenizer for an LLM), or apply_chat_template(..., chat_template=...) with its text"
     )
 
 

@@ -150,6 +150,16 @@ def _gguf_tokenizer(path: Path) -> Tokenizer:
     )
 
 
+def chat_templates_of(path: Path) -> str | dict[str, str] | None:
+    """The chat template(s) ``load_tokenizer`` gives a local checkpoint folder or GGUF file, read
+    from its template files (or the GGUF metadata) alone: no vocabulary is built."""
+    if path.is_file():
+        from ..weights.gguf.reader import read_gguf_metadata
+
+        return read_gguf_metadata(path).get("tokenizer.chat_template") or None
+    return _chat_templates(path, _read_json(path, "tokenizer_config.json"))
+
+
 def _read_json(folder: Path, name: str) -> dict:
     path = folder / name
     if not path.is_file():
