@@ -48,6 +48,19 @@ def open_image(url: str, where: str, budget: MediaBudget | None = None):
     return image
 
 
+def data_url_bytes(url: str, what: str, example: str, where: str) -> bytes:
+    """The bytes of a base64 data URL (``what``: "audio", "videos", ... for the errors)."""
+    if not url.startswith("data:"):
+        raise bad_request(f"{what} are taken as data URLs ({example}); URLs are not fetched", where)
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise bad_request(f"the {what} data URL is not base64 ({example})", where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (ValueError, binascii.Error) as error:
+        raise bad_request(f"the {what} data URL is not base64: {error}", where) from error
+
+
 def load_image(image, where: str):
     """Decode an image ``open_image`` checked; a file that breaks while decoding is a 400."""
     from PIL import Image
