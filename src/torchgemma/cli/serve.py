@@ -144,7 +144,7 @@ def add_limit_flags(serve) -> None:
         "--max-media-per-request",
         type=int_at_least(0),
         default=16,
-        help="images and audio clips in one request (default: 16)",
+        help="images, audio clips and videos in one request (default: 16)",
     )
     limits.add_argument(
         "--max-image-pixels",
@@ -163,6 +163,30 @@ def add_limit_flags(serve) -> None:
         type=float_where(lambda x: x >= 0, "at least 0"),
         default=120.0,
         help="seconds of audio in one request, each clip counted up to the 30 s the model hears (default: 120)",
+    )
+    limits.add_argument(
+        "--max-video-bytes",
+        type=int_at_least(1),
+        default=64 * MiB,
+        help="bytes of one video file (default: 64 MiB)",
+    )
+    limits.add_argument(
+        "--max-video-seconds",
+        type=float_where(lambda x: x >= 0, "at least 0"),
+        default=600.0,
+        help="length of one video, from its header before decoding (default: 600)",
+    )
+    limits.add_argument(
+        "--max-video-pixels",
+        type=int_at_least(1),
+        default=1 << 26,
+        help="pixels of a video's sampled frames, decoded (default: 2^26)",
+    )
+    limits.add_argument(
+        "--video-decode-timeout",
+        type=float_where(lambda x: x > 0, "positive"),
+        default=60.0,
+        help="seconds one video's decoding may take (default: 60)",
     )
     limits.add_argument(
         "--prepare-threads",
@@ -220,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
         max_image_pixels=args.max_image_pixels,
         max_request_pixels=args.max_request_pixels,
         max_audio_seconds=args.max_audio_seconds,
+        max_video_bytes=args.max_video_bytes,
+        max_video_seconds=args.max_video_seconds,
+        max_video_pixels=args.max_video_pixels,
+        video_decode_timeout=args.video_decode_timeout,
         prepare_threads=args.prepare_threads,
     )
     app = create_app(

@@ -35,6 +35,7 @@ class ContentPart(_Model):
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
+    video_url: ImageURL | None = None  # vLLM's video part: {"type": "video_url", "video_url": {"url": ...}}
 
 
 class FunctionCall(_Model):
