@@ -196,12 +196,16 @@ def processor(folders):
     )
 
 
-def reference_vectors(folder: Path, processor, items: list[dict], dtype: torch.dtype) -> torch.Tensor:
+def reference_vectors(
+    folder: Path, processor, items: list[dict], dtype: torch.dtype, attention: str = "eager"
+) -> torch.Tensor:
     """transformers' processor and model, one input at a time, then sentence-transformers' mean
-    pooling and normalisation."""
+    pooling and normalisation. (transformers' audio tower has no sdpa: it runs eager, as ours.)"""
     from transformers import EmbeddingGemma2Model
 
-    model = EmbeddingGemma2Model.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+    implementation = {"text_config": attention, "vision_config": attention, "audio_config": "eager"}
+    model = EmbeddingGemma2Model.from_pretrained(folder, dtype=dtype, attn_implementation=implementation)
+    model.eval()
     pooling, normalize = STPooling(EMBEDDING_DIM, "mean"), Normalize()
     vectors = []
     for item in items:
@@ -229,13 +233,17 @@ MEDIA_ITEMS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_images_and_audio_match_transformers(folders, processor, dtype):
+@pytest.mark.parametrize(
+    "dtype, attention",
+    [(torch.float32, "eager"), (torch.bfloat16, "eager"), (torch.bfloat16, "sdpa")],
+    ids=["fp32-eager", "bf16-eager", "bf16-sdpa"],
+)
+def test_images_and_audio_match_transformers(folders, processor, dtype, attention):
     folder = folders["omni"]
-    llm = LLM(folder, dtype=dtype, attention="eager", progress=False)
+    llm = LLM(folder, dtype=dtype, attention=attention, progress=False)
     assert llm.max_soft_tokens == SOFT_TOKENS
     items = [*MEDIA_ITEMS, {"text": TEXTS[0]}]
-    theirs = reference_vectors(folder, processor, items, dtype)
+    theirs = reference_vectors(folder, processor, items, dtype, attention)
     ours = llm.embed([*MEDIA_ITEMS, TEXTS[0]])
     assert_parity(ours, theirs, dtype)
 
