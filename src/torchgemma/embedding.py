@@ -119,7 +119,7 @@ class Pooling:
         width = data.get("embedding_dimension", data.get("word_embedding_dimension", hidden_size))
         if width != hidden_size:
             raise ValueError(
-                f"{path}: embedding_dimension {width} differs from the model's hidden_size {hidden_size}"
+                f"{path}: embedding_dimension {width} differs from the width of the model's states, {hidden_size}"
             )
         return cls(mode, bool(data.get("include_prompt", True)))
 
