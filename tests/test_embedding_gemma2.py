@@ -167,6 +167,24 @@ def test_config_reads_the_family(folders):
     assert config.vision_config is not None and config.audio_config is not None
 
 
+def test_config_defaults_are_transformers():
+    """A config.json in the published style (no per_layer_config): transformers' defaults."""
+    from transformers import EmbeddingGemma2TextConfig
+
+    fields = dict(vocab_size=300, hidden_size=64, num_hidden_layers=6, model_type="embedding_gemma2_text")
+    theirs = EmbeddingGemma2TextConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    text = ModelConfig.from_hf(fields).text
+    assert list(text.layer_types) == theirs.layer_types
+    for spec in text.layers:
+        layer = theirs.per_layer_config[spec.index]
+        assert (spec.head_dim, spec.num_kv_heads) == (layer.head_dim, layer.num_key_value_heads)
+        assert spec.window == (theirs.sliding_window + 1 if spec.is_sliding else None)
+    assert {t: (r.rope_type, r.theta) for t, r in text.rope.items()} == {
+        t: (p["rope_type"], p["rope_theta"]) for t, p in theirs.rope_parameters.items()
+    }
+    assert (text.hidden_size_per_layer_input, text.embedding_dim) == (512, 768)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_text_matches_sentence_transformers(folders, dtype, attention):

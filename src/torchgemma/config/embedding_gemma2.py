@@ -51,6 +51,7 @@ FORCED: dict[str, Any] = {
 
 
 def text_fields(data: dict, num_layers: int) -> tuple[dict, dict[str, Any], dict[str, list]]:
+    """EmbeddingGemma2TextConfig's fields as Gemma 4's, plus the numerics in which it differs."""
     d = {**data, **FORCED}
     if d.get("layer_types") is None:
         pattern = positive_int({"sliding_window_pattern": 6, **d}, "sliding_window_pattern")
