@@ -144,3 +144,15 @@ def test_video_limits_and_bad_videos_are_400s(video_llm, llm_checkpoint, clip, t
         assert "decoding took more than" in error_of(chat(video_part(data_url(clip))))["message"]
     with running_server(create_app(LLM(llm_checkpoint, progress=False), model_name="m")) as url:
         assert "it cannot take videos" in error_of(chat(video_part(data_url(clip))))["message"]
+
+
+def test_serve_flags_set_the_limits():
+    from torchgemma.cli import build_parser
+    from torchgemma.cli.serve import limits_of
+
+    argv = ["serve", "--model", "m", "--max-video-bytes", "1000", "--max-video-seconds", "5"]
+    argv += ["--max-video-pixels", "4096", "--video-decode-timeout", "2.5", "--max-audio-seconds", "7"]
+    limits = limits_of(build_parser().parse_args(argv))
+    assert (limits.max_video_bytes, limits.max_video_seconds, limits.max_video_pixels) == (1000, 5.0, 4096)
+    assert (limits.video_decode_timeout, limits.max_audio_seconds) == (2.5, 7.0)
+    assert limits_of(build_parser().parse_args(["serve", "--model", "m"])) == Limits()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -226,7 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ..serving.app import create_app
     from ..serving.connections import header_timeout_protocol
-    from ..serving.limits import Limits
 
     api_key = read_api_key(args)
     allowed_hosts = allowed_host_names(args)
@@ -238,18 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or str(args.model)
-    limits = Limits(
-        max_request_bytes=args.max_request_bytes,
-        max_media_per_request=args.max_media_per_request,
-        max_image_pixels=args.max_image_pixels,
-        max_request_pixels=args.max_request_pixels,
-        max_audio_seconds=args.max_audio_seconds,
-        max_video_bytes=args.max_video_bytes,
-        max_video_seconds=args.max_video_seconds,
-        max_video_pixels=args.max_video_pixels,
-        video_decode_timeout=args.video_decode_timeout,
-        prepare_threads=args.prepare_threads,
-    )
+    limits = limits_of(args)
     app = create_app(
         llm,
         model_name=name,
@@ -328,3 +317,10 @@ def allowed_host_names(args: argparse.Namespace) -> list[str] | None:
     from ..serving.app import LOOPBACK_HOSTS
 
     return list(LOOPBACK_HOSTS) if args.host.strip("[]") in LOOPBACK_BINDS else None
+
+
+def limits_of(args: argparse.Namespace):
+    """The ``serving.limits.Limits`` the limit flags ask for (their names are its fields')."""
+    from ..serving.limits import Limits
+
+    return Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})
