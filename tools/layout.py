@@ -23,7 +23,7 @@ LAYERS = [
     ["placement", "quantization", "acceleration", "weights"],
     ["tokenizer", "replies"],
     ["processing", "generation", "reference"],
-    ["embedding", "info", "debug", "llm"],
+    ["embedding", "embedding_media", "info", "debug", "llm"],
     ["serving"],
     ["cli", "__init__", "__main__"],
 ]

@@ -119,7 +119,7 @@ class Pooling:
         width = data.get("embedding_dimension", data.get("word_embedding_dimension", hidden_size))
         if width != hidden_size:
             raise ValueError(
-                f"{path}: embedding_dimension {width} differs from the model's hidden_size {hidden_size}"
+                f"{path}: embedding_dimension {width} differs from the width of the model's states, {hidden_size}"
             )
         return cls(mode, bool(data.get("include_prompt", True)))
 
@@ -275,9 +275,9 @@ class SentenceHead(nn.Module):
         if kinds[1:2] != ["pooling"] or "transformer" in kinds[2:] or "pooling" in kinds[2:]:
             raise ValueError(f"{folder}/{MODULES_FILE}: a Pooling module must follow the Transformer, once")
         max_length = _max_length(folder, text)
-        pooling = Pooling.from_config(folder / entries[1]["path"] / "config.json", text.hidden_size)
+        pooling = Pooling.from_config(folder / entries[1]["path"] / "config.json", text.states_width)
         dense, normalize = [], False
-        width = text.hidden_size
+        width = text.states_width
         for entry, kind in zip(entries[2:], kinds[2:]):
             where = folder / entry["path"]
             if normalize:
@@ -521,7 +521,8 @@ def _embed_rows(
                     raise ValueError(f"{name}[{i}] has no tokens")
                 check_embedding_rows([row], tokenizer, model.config.text.vocab_size, f"{name}[{i}]")
             input_ids, mask = _right_pad(ids, pad_id, device)
-            states = model.language_model(input_ids, attention_mask=mask, head=False)  # (B, T, H)
+            # Media placeholders typed in a text read as the pad token, as in the multimodal reference.
+            states = model.language_model(model.text_ids(input_ids), attention_mask=mask, head=False)
             batch = head(states, mask, prompt_length)  # (B, D)
             if truncate_dim is not None:
                 batch = batch[:, :truncate_dim]

@@ -34,7 +34,8 @@ from typing import Any, Literal
 
 import torch
 
-from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows, embed_texts
+from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows
+from .embedding_media import EmbeddingInput, embed_inputs
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, Grammar, SamplingParams, stream
 from .generation.constraints import chat_grammar, grammar_for_response_format
 from .generation.prefix_cache import prefix_cache_of
@@ -410,25 +411,24 @@ class LLM:
 
     def embed(
         self,
-        texts: str | Sequence[str],
+        texts: EmbeddingInput | Sequence[EmbeddingInput],
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
         truncate_dim: int | None = None,
     ) -> torch.Tensor:
-        """Sentence vectors (N, D) of ``texts`` (one text: (D,)), as sentence-transformers'
-        ``SentenceTransformer(folder).encode(texts, ...)`` computes them, for a sentence-transformers
-        checkpoint such as EmbeddingGemma.
-
+        """Sentence vectors (N, D) of ``texts`` (one: (D,)), as sentence-transformers computes them,
+        for a sentence-transformers checkpoint (EmbeddingGemma, EmbeddingGemma 2). EmbeddingGemma 2
+        also takes ``{"image": ..., "audio": ..., "text": ...}`` items (see torchgemma.embedding_media).
         ``prompt_name`` picks a task prompt of the checkpoint's ``config_sentence_transformers.json``
-        (EmbeddingGemma: ``"query"``, ``"document"``, ...), written before each text; ``prompt`` is a
-        literal one; with neither, the checkpoint's default prompt (if any). ``truncate_dim`` keeps
-        the first dimensions (Matryoshka), not re-normalized.
+        (``"query"``, ``"document"``, ...), written before each text; ``prompt`` is a literal one;
+        with neither, the checkpoint's default prompt (if any). ``truncate_dim`` keeps the first
+        dimensions (Matryoshka), not re-normalized.
         """
-        return embed_texts(
+        return embed_inputs(
             self.model,
-            self.tokenizer,
+            self.processor,
             self.sentence_head,
             texts,
             prompt_name=prompt_name,
@@ -541,7 +541,7 @@ class LLM:
 
 
 def embed(
-    texts: str | Sequence[str],
+    texts: EmbeddingInput | Sequence[EmbeddingInput],
     *,
     model: LLM | str | Path,
     prompt_name: str | None = None,
@@ -551,7 +551,7 @@ def embed(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Sentence vectors of ``texts`` from a sentence-transformers checkpoint such as EmbeddingGemma.
+    """Sentence vectors of ``texts`` (and media: EmbeddingGemma 2) from a sentence-transformers checkpoint.
 
     ``model``: an ``LLM``, or what ``LLM`` loads (a folder, a hub id), loaded with ``dtype`` and
     ``device`` for this call only; keep an ``LLM`` to embed more than once. The rest is ``LLM.embed``.

@@ -1,4 +1,5 @@
-"""``torchgemma embed``: sentence vectors from a sentence-transformers checkpoint, one JSON line per text."""
+"""``torchgemma embed``: sentence vectors from a sentence-transformers checkpoint, one JSON line per
+text, image or audio file (images and audio: EmbeddingGemma 2)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .precheck import check_sentence_head
 def add_parser(commands) -> None:
     embed = commands.add_parser(
         "embed",
-        help="sentence vectors from a sentence-transformers checkpoint (EmbeddingGemma)",
+        help="sentence vectors from a sentence-transformers checkpoint (EmbeddingGemma, EmbeddingGemma 2)",
         description="Sentence embeddings, as sentence-transformers computes them: the checkpoint's "
         "decoder, pooling, dense layers and normalisation, with a task prompt. Prints one JSON line per "
         'text: {"text": ..., "embedding": [...]}. Texts are the arguments, or standard input\'s lines '
@@ -22,6 +23,8 @@ def add_parser(commands) -> None:
     )
     add_model_flags(embed)
     embed.add_argument("texts", nargs="*", help="the texts (default: one per line of standard input)")
+    embed.add_argument("--image", action="append", default=[], metavar="PATH", help="an image file to embed")
+    embed.add_argument("--audio", action="append", default=[], metavar="PATH", help="an audio file to embed")
     embed.add_argument(
         "--prompt-name",
         default=None,
@@ -36,22 +39,28 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if not texts:
-        raise CLIError("no texts: give them as arguments or on standard input, one per line")
-    args.image = args.audio = args.video = []
-    prepare(args)
+    texts = args.texts
+    if not texts and not args.image and not args.audio:
+        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not texts:
+            raise CLIError("no texts: give them as arguments or on standard input, one per line")
+    args.video = []
+    prepare(args)  # the media files are read (headers) before the model loads
     check_sentence_head(args)
     llm = load_llm(args)
     if not llm.has_sentence_head:
         raise CLIError(f"{args.model} has no sentence-transformers modules (modules.json): it cannot embed")
+    inputs = [*texts, *({"image": path} for path in args.image), *({"audio": path} for path in args.audio)]
+    labels = (
+        [{"text": t} for t in texts] + [{"image": p} for p in args.image] + [{"audio": p} for p in args.audio]
+    )
     vectors = llm.embed(
-        texts,
+        inputs,
         prompt_name=args.prompt_name,
         prompt=args.prompt,
         batch_size=args.batch_size,
         truncate_dim=args.dimensions,
     )
-    for text, vector in zip(texts, vectors.float().cpu()):
-        print(json.dumps({"text": text, "embedding": vector.tolist()}))
+    for label, vector in zip(labels, vectors.float().cpu()):
+        print(json.dumps({**label, "embedding": vector.tolist()}))
     return 0

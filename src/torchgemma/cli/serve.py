@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -144,7 +145,7 @@ def add_limit_flags(serve) -> None:
         "--max-media-per-request",
         type=int_at_least(0),
         default=16,
-        help="images and audio clips in one request (default: 16)",
+        help="images, audio clips and videos in one request (default: 16)",
     )
     limits.add_argument(
         "--max-image-pixels",
@@ -163,6 +164,30 @@ def add_limit_flags(serve) -> None:
         type=float_where(lambda x: x >= 0, "at least 0"),
         default=120.0,
         help="seconds of audio in one request, each clip counted up to the 30 s the model hears (default: 120)",
+    )
+    limits.add_argument(
+        "--max-video-bytes",
+        type=int_at_least(1),
+        default=64 * MiB,
+        help="bytes of one video file (default: 64 MiB)",
+    )
+    limits.add_argument(
+        "--max-video-seconds",
+        type=float_where(lambda x: x >= 0, "at least 0"),
+        default=600.0,
+        help="length of one video, from its header before decoding (default: 600)",
+    )
+    limits.add_argument(
+        "--max-video-pixels",
+        type=int_at_least(1),
+        default=1 << 26,
+        help="pixels of a video's sampled frames, decoded (default: 2^26)",
+    )
+    limits.add_argument(
+        "--video-decode-timeout",
+        type=float_where(lambda x: x > 0, "positive"),
+        default=60.0,
+        help="seconds one video's decoding may take (default: 60)",
     )
     limits.add_argument(
         "--prepare-threads",
@@ -202,7 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ..serving.app import create_app
     from ..serving.connections import header_timeout_protocol
-    from ..serving.limits import Limits
 
     api_key = read_api_key(args)
     allowed_hosts = allowed_host_names(args)
@@ -214,14 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or str(args.model)
-    limits = Limits(
-        max_request_bytes=args.max_request_bytes,
-        max_media_per_request=args.max_media_per_request,
-        max_image_pixels=args.max_image_pixels,
-        max_request_pixels=args.max_request_pixels,
-        max_audio_seconds=args.max_audio_seconds,
-        prepare_threads=args.prepare_threads,
-    )
+    limits = limits_of(args)
     app = create_app(
         llm,
         model_name=name,
@@ -300,3 +317,10 @@ def allowed_host_names(args: argparse.Namespace) -> list[str] | None:
     from ..serving.app import LOOPBACK_HOSTS
 
     return list(LOOPBACK_HOSTS) if args.host.strip("[]") in LOOPBACK_BINDS else None
+
+
+def limits_of(args: argparse.Namespace):
+    """The ``serving.limits.Limits`` the limit flags ask for (their names are its fields')."""
+    from ..serving.limits import Limits
+
+    return Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})

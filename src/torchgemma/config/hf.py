@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .embedding_gemma2 import FAMILY as EMBEDDING_GEMMA2
 from .gemma3 import FAMILY as GEMMA3
 from .gemma3n import FAMILY as GEMMA3N
 from .gemma4 import FAMILY as GEMMA4
@@ -25,7 +26,9 @@ from .limits import check_text_numbers, positive_int, token_id
 from .schema import FULL, SLIDING, ConfigError, Family, KVRole, LayerSpec, RopeSpec, TextConfig
 
 # By multimodal model_type; "{name}_text" is the family's text-only checkpoint.
-FAMILIES: dict[str, Family] = {family.name: family for family in (GEMMA4, GEMMA3, GEMMA3N, GEMMA4_UNIFIED)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (GEMMA4, GEMMA3, GEMMA3N, GEMMA4_UNIFIED, EMBEDDING_GEMMA2)
+}
 SUPPORTED_MODEL_TYPES = tuple(t for name in FAMILIES for t in (name, f"{name}_text"))
 SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 

@@ -141,6 +141,5 @@ class ModelConfig:
     def checkpoint_name(self, module_path: str) -> str:
         """The checkpoint tensor name of a module path (``language_model.norm.weight``), as published:
         ``model.`` + the path, except that ``*ForCausalLM`` text checkpoints drop ``language_model.``."""
-        if self.text_only:
-            return "model." + module_path.removeprefix("language_model.")
-        return "model." + self.family.checkpoint_path(module_path)
+        named = self.family.checkpoint_path(module_path)
+        return "model." + (named.removeprefix("language_model.") if self.text_only else named)

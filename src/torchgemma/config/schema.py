@@ -177,6 +177,15 @@ class TextConfig:
     # "sliding" (gemma4: sliding layers, within the window) or "all" (gemma4_unified, as transformers'
     # forward builds its masks: every layer, and a block is seen whole even past the window).
     vision_block_layers: Literal["sliding", "all"] = "sliding"
+    # EmbeddingGemma 2: per-layer inputs from the context projection alone (no token table, no
+    # 2^-1/2 blend), and the final states projected to this width (0: none) as the sentence states.
+    ple_token_table: bool = True
+    embedding_dim: int = 0
+
+    @property
+    def states_width(self) -> int:
+        """The width of the states ``TextModel(..., head=False)`` returns (sentence embeddings pool them)."""
+        return self.embedding_dim or self.hidden_size
 
     @property
     def has_per_layer_inputs(self) -> bool:

@@ -510,9 +510,9 @@ class TextModel(nn.Module):
             self.add_module(f"embed_{vocab.name}", MediaTokenEmbedder(vocab, hidden))
         if config.has_per_layer_inputs:
             n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
-            # One packed table: row = [layer 0's P values | layer 1's | ...].
-            self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * p)
-            self.per_layer_embed_scale = rounded_scales(p**0.5)
+            if config.ple_token_table:  # one packed table: row = [layer 0's P values | layer 1's | ...]
+                self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * p)
+                self.per_layer_embed_scale = rounded_scales(p**0.5)
             self.per_layer_model_projection = nn.Linear(hidden, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
             # H^-1/2 on the context projection and 2^-1/2 on the sum: Python floats in Gemma 4, tensors
@@ -534,6 +534,8 @@ class TextModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTables(config.rope)
+        if config.embedding_dim:  # EmbeddingGemma 2: the sentence states' width
+            self.embedding_projection = nn.Linear(hidden, config.embedding_dim, bias=False)
 
     @property
     def attention(self) -> str:
@@ -575,15 +577,18 @@ class TextModel(nn.Module):
         return x
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """(B, T, L, P): the token's own per-layer vector plus a projection of its context embedding."""
+        """(B, T, L, P): the token's own per-layer vector plus a projection of its context embedding
+        (EmbeddingGemma 2: the projection alone)."""
         cfg = self.config
         shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        context = self.per_layer_model_projection(embeds) * self.per_layer_context_scale[self.dtype]
+        context = self.per_layer_projection_norm(context.reshape(shape))
+        if not cfg.ple_token_table:
+            return context
         table = self.embed_tokens_per_layer
         # Ids beyond the table (Gemma 3n's media ids) read row 0, as in the reference.
         input_ids = torch.where(input_ids < table.num_embeddings, input_ids, 0)
         token_part = table(input_ids) * self.per_layer_embed_scale[self.dtype]
-        context = self.per_layer_model_projection(embeds) * self.per_layer_context_scale[self.dtype]
-        context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + token_part.reshape(shape)) * self.per_layer_sum_scale[self.dtype]
 
     def altup_streams(self, x: torch.Tensor) -> torch.Tensor:
@@ -646,7 +651,8 @@ class TextModel(nn.Module):
         per-layer embedding rows. ``vision_blocks`` (B, T): image-block ids (-1 = none) of this
         call's tokens; sliding layers let the tokens of one block attend to each other both ways.
         ``head=False`` returns the final-normed hidden states (B, T', H) instead of logits: what
-        transformers' text models return as ``last_hidden_state`` (sentence embeddings pool them).
+        transformers' text models return as ``last_hidden_state`` (sentence embeddings pool them;
+        EmbeddingGemma 2's are projected to ``embedding_dim``).
         """
         batch, length = input_ids.shape
         valid = None
@@ -729,7 +735,10 @@ class TextModel(nn.Module):
         if cfg.has_altup:
             x = self.altup_merge(x)
         x = x if keep_last <= 0 else x[:, -keep_last:]
-        return self.head(x) if head else self.norm(x)
+        if head:
+            return self.head(x)
+        x = self.norm(x)
+        return self.embedding_projection(x) if cfg.embedding_dim else x
 
     # ── layout: positions, RoPE, masks ───────────────────────────────────────────────────────
 

@@ -22,6 +22,7 @@ keeps them all too).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,8 @@ def process_videos(
 
 def sample_video(video: VideoInput, num_frames: int | None = DEFAULT_NUM_FRAMES) -> SampledVideo:
     """One video's kept frames as (n, 3, H, W) uint8, with their indices and the frame rate."""
+    if isinstance(video, SampledVideo):  # decoded already (``load_video``; the server does)
+        return video
     if isinstance(video, (str, Path)):
         return load_video(video, num_frames)
     fps = None
@@ -150,7 +153,10 @@ def sample_video(video: VideoInput, num_frames: int | None = DEFAULT_NUM_FRAMES)
 
 
 def load_video(
-    path: str | Path, num_frames: int | None = DEFAULT_NUM_FRAMES, max_pixels: int | None = MAX_VIDEO_PIXELS
+    path: str | Path,
+    num_frames: int | None = DEFAULT_NUM_FRAMES,
+    max_pixels: int | None = MAX_VIDEO_PIXELS,
+    timeout: float | None = None,
 ) -> SampledVideo:
     """Decode a video file with PyAV, keeping the sampled frames, as transformers' ``read_video_pyav``:
     the frame count and rate are the stream's (``frames``, ``average_rate``), frames are decoded in
@@ -158,14 +164,23 @@ def load_video(
     decoded once to count them; one without a rate gets 24 fps.
 
     The kept frames may hold at most ``max_pixels`` pixels together (None: no limit): checked on the
-    stream's stated frame size before anything is decoded, and on each frame as it is decoded."""
+    stream's stated frame size before anything is decoded, and on each frame as it is decoded.
+    Decoding that takes more than ``timeout`` seconds (None: no limit) stops with a ValueError."""
     path, av = _video_file(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def decoded(container):
+        for frame in container.decode(video=0):
+            if deadline is not None and time.monotonic() > deadline:
+                raise ValueError(f"decoding took more than {timeout:g} s")
+            yield frame
+
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container)
             width, height = stream.codec_context.width, stream.codec_context.height
             _check_video_pixels(path, 1, width, height, max_pixels)
-            total = stream.frames or sum(1 for _ in container.decode(video=0))
+            total = stream.frames or sum(1 for _ in decoded(container))
             rate = stream.average_rate
             indices = sample_frame_indices(total, num_frames)
             _check_video_pixels(path, len(indices), width, height, max_pixels)
@@ -173,7 +188,7 @@ def load_video(
             container.seek(0)
             kept: np.ndarray | None = None  # (n, H, W, 3), filled in place (no second copy to stack)
             count = 0
-            for index, frame in enumerate(container.decode(video=0)):
+            for index, frame in enumerate(decoded(container)):
                 if index > last:
                     break
                 if index not in wanted:
@@ -216,6 +231,24 @@ def probe_video(path: str | Path) -> tuple[int, float | None]:
         with av.open(str(path)) as container:
             stream = _video_stream(container)
             return stream.frames, float(stream.average_rate) if stream.average_rate else None
+    except (av.FFmpegError, ValueError, OSError) as error:
+        raise ValueError(f"cannot read video file {str(path)!r}: {error}") from error
+
+
+def video_seconds(path: str | Path) -> float | None:
+    """A video file's length in seconds from its header (the stream's duration, else the
+    container's, else frames over rate), or None when the header does not say."""
+    path, av = _video_file(path)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container)
+            if stream.duration is not None and stream.time_base is not None:
+                return float(stream.duration * stream.time_base)
+            if container.duration is not None:
+                return container.duration / av.time_base
+            if stream.frames and stream.average_rate:
+                return stream.frames / float(stream.average_rate)
+            return None
     except (av.FFmpegError, ValueError, OSError) as error:
         raise ValueError(f"cannot read video file {str(path)!r}: {error}") from error
 

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages (text, images, audio), tools, thinking, streaming.
+"""POST /v1/chat/completions: messages (text, images, audio, videos), tools, thinking, streaming.
 
 OpenAI's messages become the chat template's (media decoded, tool calls with dict arguments, tool
 results named after their call), the template renders them with the client's strings kept as text,
@@ -16,10 +16,19 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..generation.constraints import ConstraintError, chat_grammar
+from ..processing import collect_videos
 from ..replies import template_tool_call
 from .errors import bad_request
-from .limits import MediaBudget
-from .media import audio_bytes, check_wav, decode_wav_upload, load_image, open_image
+from .limits import Limits, MediaBudget
+from .media import (
+    audio_bytes,
+    check_wav,
+    decode_video_upload,
+    decode_wav_upload,
+    load_image,
+    open_image,
+    video_bytes,
+)
 from .protocol import ChatCompletionRequest, ContentPart, Message
 from .sampling import refuse_unsupported, sampling_args, stop_list
 from .state import ServerState
@@ -58,6 +67,14 @@ def check_chat_request(state: ServerState, body: ChatCompletionRequest) -> None:
                     raise bad_request(
                         f"this model has no vision tower ({state.llm.model.config.towers_note}): "
                         "it cannot take images",
+                        at,
+                    )
+                budget.count(at)
+            elif part.type == "video_url":
+                if not state.takes_images:
+                    raise bad_request(
+                        f"this model has no vision tower ({state.llm.model.config.towers_note}): "
+                        "it cannot take videos",
                         at,
                     )
                 budget.count(at)
@@ -110,8 +127,9 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
         raise bad_request(str(error), error.field) from error
     except ImportError as error:  # the server was installed without its constraints extra
         raise bad_request(str(error), "response_format" if response_format else "tool_choice") from error
-    messages, images, audio = template_messages(body.messages, MediaBudget(state.limits))
     processor = state.llm.processor
+    budget = MediaBudget(state.limits)
+    messages, images, audio = template_messages(body.messages, budget, processor.video_num_frames)
     try:
         # Clients are untrusted: control tokens typed in any message, tool or result stay text.
         ids = processor.render_chat(
@@ -125,7 +143,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
         raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error
     # (After the template: placeholders are expanded here and the limit checked on the result.)
     try:
-        processed = processor.process(ids, images, audio)
+        processed = processor.process(ids, images, audio, collect_videos(messages))
     except (ValueError, OSError) as error:
         raise bad_request(str(error), "messages") from error
     ids = processed.input_ids
@@ -178,12 +196,14 @@ def declared_tools(body: ChatCompletionRequest) -> list[dict] | None:
 
 
 def template_messages(
-    messages: Sequence[Message], budget: MediaBudget | None = None
+    messages: Sequence[Message], budget: MediaBudget | None = None, video_frames: int | None = None
 ) -> tuple[list[dict], list, list]:
     """OpenAI messages -> the template's: content items with decoded media, tool calls with dict
-    arguments, tool results named after the call they answer. Also the images and audio, in order.
+    arguments, tool results named after the call they answer. Also the images and audio, in order
+    (videos stay in their items, ``video_frames`` frames of each decoded: ``collect_videos``).
 
-    Every image and clip is sized from its header against ``budget`` before any is decoded."""
+    Every image, clip and video is sized from its header against ``budget`` before any is decoded."""
+    limits = budget.limits if budget is not None else Limits()
     call_names: dict[str, str] = {}
     out, media = [], []
     for index, message in enumerate(messages):
@@ -218,6 +238,8 @@ def template_messages(
     for item, at, raw in media:
         if item["type"] == "image":
             images.append(load_image(item["image"], at))
+        elif item["type"] == "video":
+            item["video"] = decode_video_upload(raw, at, limits, video_frames)
         else:
             item["audio"] = decode_wav_upload(raw, at)
             audio.append(item["audio"])
@@ -230,6 +252,7 @@ def content_items(
     """One message's content parts as the template's items. Media are only opened and checked
     here; their items go to ``media`` as (item, where, WAV bytes or None), to be decoded after."""
     items = []
+    limits = budget.limits if budget is not None else Limits()
     for part_index, part in enumerate(parts):
         at = f"{where}.{part_index}"
         if part.type == "text":
@@ -237,6 +260,10 @@ def content_items(
         elif part.type == "image_url" and part.image_url is not None:
             items.append({"type": "image", "image": open_image(part.image_url.url, at, budget)})
             media.append((items[-1], at, None))
+        elif part.type == "video_url" and part.video_url is not None:
+            data = video_bytes(part.video_url.url, at, limits)
+            items.append({"type": "video", "video": None})
+            media.append((items[-1], at, data))
         elif part.type == "input_audio" and part.input_audio is not None:
             data = audio_bytes(part.input_audio.data, part.input_audio.format, at)
             check_wav(data, at, budget)

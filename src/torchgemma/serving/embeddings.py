@@ -2,7 +2,11 @@
 
 ``input`` is text (a string or a list of them) or token ids (a list of ints, or a list of such
 lists): ids are this model's own, taken as the whole input (no task prompt, no special token
-added), as vLLM and llama.cpp take them.
+added), as vLLM and llama.cpp take them. EmbeddingGemma 2 also takes items with images and audio,
+in the shape of Jina's embeddings API (and sentence-transformers 6's dict inputs): ``{"image":
+"data:image/png;base64,..."}``, ``{"audio": "data:audio/wav;base64,..."}``, ``{"text": ...}``, or
+several keys in one item (one vector: media first, then the text); plain strings may sit beside.
+Media are checked against the server's limits from their headers before any is decoded.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ import base64
 from typing import Any
 
 from ..embedding import embed_token_ids, token_counts
+from ..embedding_media import embed_inputs
 from .errors import APIError, bad_request
-from .protocol import EmbeddingRequest
+from .limits import MediaBudget
+from .media import check_wav, data_url_bytes, decode_wav_upload, load_image, open_image
+from .protocol import EmbeddingItem, EmbeddingRequest
 from .state import ServerState
+
+WAV_EXAMPLE = "data:audio/wav;base64,..."
 
 
 def no_sentence_head() -> APIError:
@@ -26,7 +35,7 @@ def no_sentence_head() -> APIError:
 
 
 async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
-    """One vector per input text, as floats or base64 little-endian float32."""
+    """One vector per input, as floats or base64 little-endian float32."""
     state.check_model(body.model)
     llm = state.llm
     if not llm.has_sentence_head:
@@ -42,11 +51,13 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
     head = llm.sentence_head
     if body.dimensions is not None and not 0 < body.dimensions <= head.dimension:
         raise bad_request(f"dimensions must be in 1..{head.dimension}", "dimensions")
+    if any(isinstance(item, EmbeddingItem) for item in texts):
+        check_media_items(state, texts)
     try:
-        # Tokenizing and embedding off the event loop, one batch at a time; generation keeps its
-        # own engine thread.
+        # Tokenizing, decoding and embedding off the event loop, one batch at a time; generation
+        # keeps its own engine thread.
         async with state.embedding_lock:
-            counts, vectors = await asyncio.to_thread(_embed, llm, head, texts, body)
+            counts, vectors = await asyncio.to_thread(_embed, state, head, texts, body)
     except ValueError as error:  # an unknown prompt_name, a text with no tokens, an id outside the vocabulary
         raise bad_request(str(error), "input") from error
     vectors = vectors.float().cpu()
@@ -61,11 +72,73 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
     return {"object": "list", "data": data, "model": state.model_name, "usage": usage}
 
 
-def _embed(llm, head, texts: list[str] | list[list[int]], body: EmbeddingRequest):
+def check_media_items(state: ServerState, items: list) -> None:
+    """Before any work: the model's towers and the request's media count."""
+    budget = MediaBudget(state.limits)
+    for index, item in enumerate(items):
+        if not isinstance(item, EmbeddingItem):
+            continue
+        for kind, present, able in (
+            ("images", item.image, state.takes_images),
+            ("audio", item.audio, state.takes_audio),
+        ):
+            if present and not able:
+                raise bad_request(
+                    f"this model cannot embed {kind} ({state.llm.model.config.towers_note})", f"input.{index}"
+                )
+        for _ in [*_listed(item.image), *_listed(item.audio)]:
+            budget.count(f"input.{index}")
+
+
+def decoded_items(state: ServerState, items: list) -> list:
+    """The inputs as ``LLM.embed`` takes them: every image's and clip's header checked against the
+    server's limits, then all decoded."""
+    budget = MediaBudget(state.limits)
+    opened = []
+    for index, item in enumerate(items):
+        if not isinstance(item, EmbeddingItem):
+            opened.append(item)
+            continue
+        at = f"input.{index}"
+        images = [open_image(url, f"{at}.image", budget) for url in _listed(item.image)]
+        clips = [data_url_bytes(url, "audio", WAV_EXAMPLE, f"{at}.audio") for url in _listed(item.audio)]
+        for data in clips:
+            check_wav(data, f"{at}.audio", budget)
+        opened.append((item.text, images, clips, at))
+    return [
+        item
+        if not isinstance(item, tuple)
+        else {
+            "text": item[0] or "",
+            "image": [load_image(image, f"{item[3]}.image") for image in item[1]],
+            "audio": [decode_wav_upload(data, f"{item[3]}.audio") for data in item[2]],
+        }
+        for item in opened
+    ]
+
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _embed(state: ServerState, head, texts: list, body: EmbeddingRequest):
+    llm = state.llm
     if isinstance(texts[0], list):
         if body.prompt_name is not None:
             raise ValueError("prompt_name applies to text input: token ids are embedded as given")
         vectors = embed_token_ids(llm.model, llm.tokenizer, head, texts, truncate_dim=body.dimensions)
         return [min(len(row), head.max_length) for row in texts], vectors
+    if any(isinstance(item, EmbeddingItem) for item in texts):
+        counts: list[int] = []
+        vectors = embed_inputs(
+            llm.model,
+            llm.processor,
+            head,
+            decoded_items(state, texts),
+            prompt_name=body.prompt_name,
+            truncate_dim=body.dimensions,
+            counts=counts,
+        )
+        return counts, vectors
     counts = token_counts(llm.tokenizer, head, texts, prompt_name=body.prompt_name)
     return counts, llm.embed(texts, prompt_name=body.prompt_name, truncate_dim=body.dimensions)

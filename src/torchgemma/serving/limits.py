@@ -32,17 +32,30 @@ class Limits:
     # Seconds of audio in one request, each clip counted as the part the model hears (its first
     # 30 s) (--max-audio-seconds).
     max_audio_seconds: float = 120.0
+    # Videos (video_url data URLs): the bytes of one file (--max-video-bytes), its length as its
+    # header states it (--max-video-seconds: decoding reads the whole stream up to the last sampled
+    # frame), the pixels of its sampled frames once decoded (--max-video-pixels: 32 frames of
+    # 1920x1080 fit) and the time its decoding may take (--video-decode-timeout).
+    max_video_bytes: int = 64 * MiB
+    max_video_seconds: float = 600.0
+    max_video_pixels: int = 1 << 26
+    video_decode_timeout: float = 60.0
     # Requests prepared (template, tokenizer, media decoding) at once, off the event loop. Decoded
     # media are dropped once a request is prepared, so the server never holds more than this many
     # requests' worth (this x max_request_pixels) at once (--prepare-threads).
     prepare_threads: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_image_pixels", "max_request_pixels", "prepare_threads"):
+        positive = ("max_request_bytes", "max_image_pixels", "max_request_pixels", "prepare_threads")
+        for name in (*positive, "max_video_bytes", "max_video_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_media_per_request < 0 or self.max_audio_seconds < 0:
-            raise ValueError("max_media_per_request and max_audio_seconds cannot be negative")
+        if self.max_media_per_request < 0 or self.max_audio_seconds < 0 or self.max_video_seconds < 0:
+            raise ValueError(
+                "max_media_per_request, max_audio_seconds and max_video_seconds cannot be negative"
+            )
+        if self.video_decode_timeout <= 0:
+            raise ValueError(f"video_decode_timeout must be positive, got {self.video_decode_timeout}")
 
 
 class MediaBudget:
@@ -58,7 +71,7 @@ class MediaBudget:
         self.items += 1
         if self.items > self.limits.max_media_per_request:
             raise bad_request(
-                f"more than {self.limits.max_media_per_request} images and audio clips in one request "
+                f"more than {self.limits.max_media_per_request} images, audio clips and videos in one request "
                 "(the server's --max-media-per-request)",
                 where,
                 "too_many_media",

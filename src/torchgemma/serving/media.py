@@ -1,8 +1,11 @@
-"""Images and audio sent by clients -> what the processor takes; a file we cannot read is a 400.
+"""Images, audio and videos sent by clients -> what the processor takes; a file we cannot read is
+a 400.
 
 Media are sized from their headers before they are decoded (``limits.MediaBudget``): an image's
 pixels from ``PIL.Image.open``, which reads the header alone (``load`` decodes), a WAV clip's length
-from its RIFF chunks. A request over a limit is refused before any of its media is decoded.
+from its RIFF chunks, a video's bytes as sent. A request over a limit is refused before any of its
+media is decoded. A video's length is read from its container's header before its frames are
+decoded (with PyAV, as ``LLM.chat`` decodes a file), and decoding stops at the pixel and time limits.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ import base64
 import binascii
 import io
 import struct
+import tempfile
+from pathlib import Path
 
 from ..processing.audio import MAX_SAMPLES, SAMPLING_RATE, decode_wav
 from .errors import bad_request
-from .limits import MediaBudget
+from .limits import Limits, MediaBudget
+
+VIDEO_EXAMPLE = "data:video/mp4;base64,..."
 
 # The part of a clip the model hears (longer clips are cut, as in the reference).
 HEARD_SECONDS = MAX_SAMPLES / SAMPLING_RATE
@@ -46,6 +53,19 @@ def open_image(url: str, where: str, budget: MediaBudget | None = None):
     if budget is not None:
         budget.add_image(*image.size, where)
     return image
+
+
+def data_url_bytes(url: str, what: str, example: str, where: str) -> bytes:
+    """The bytes of a base64 data URL (``what``: "audio", "videos", ... for the errors)."""
+    if not url.startswith("data:"):
+        raise bad_request(f"{what} are taken as data URLs ({example}); URLs are not fetched", where)
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise bad_request(f"the {what} data URL is not base64 ({example})", where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (ValueError, binascii.Error) as error:
+        raise bad_request(f"the {what} data URL is not base64: {error}", where) from error
 
 
 def load_image(image, where: str):
@@ -103,3 +123,43 @@ def wav_seconds(data: bytes) -> float | None:
     if rate == 0 or block_align == 0:
         return None
     return data_size // block_align / rate
+
+
+def video_bytes(url: str, where: str, limits: Limits) -> bytes:
+    """A ``video_url`` part's file, base64-decoded (not yet parsed), within ``--max-video-bytes``."""
+    data = data_url_bytes(url, "videos", VIDEO_EXAMPLE, where)
+    if len(data) > limits.max_video_bytes:
+        raise bad_request(
+            f"the video is {len(data):,} bytes; this server takes at most {limits.max_video_bytes:,} "
+            "per video (--max-video-bytes)",
+            where,
+            "video_too_large",
+        )
+    return data
+
+
+def decode_video_upload(data: bytes, where: str, limits: Limits, num_frames: int | None):
+    """A video file's sampled frames (``processing.video.SampledVideo``, ``num_frames`` of them as
+    the processor samples them), within the server's length, pixel and time limits."""
+    from ..processing.video import load_video, video_seconds
+
+    with tempfile.TemporaryDirectory(prefix="torchgemma-video-") as folder:
+        path = Path(folder) / "upload"
+        path.write_bytes(data)
+        try:
+            seconds = video_seconds(path)
+            if seconds is not None and seconds > limits.max_video_seconds:
+                raise bad_request(
+                    f"the video lasts {seconds:.1f} s; this server takes at most "
+                    f"{limits.max_video_seconds:g} s per video (--max-video-seconds)",
+                    where,
+                    "video_too_long",
+                )
+            return load_video(path, num_frames, limits.max_video_pixels, limits.video_decode_timeout)
+        except ImportError as error:  # the server was installed without the video extra
+            raise bad_request(f"this server cannot decode videos: {error}", where) from error
+        except (ValueError, OSError) as error:
+            message = str(error).replace(f"video file {str(path)!r}", "the video")
+            if "allowed" in message:
+                message += " (the server's --max-video-pixels)"
+            raise bad_request(message, where) from error

@@ -35,6 +35,7 @@ class ContentPart(_Model):
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
+    video_url: ImageURL | None = None  # vLLM's video part: {"type": "video_url", "video_url": {"url": ...}}
 
 
 class FunctionCall(_Model):
@@ -147,15 +148,35 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
 
+class EmbeddingItem(BaseModel):
+    """One multimodal input (EmbeddingGemma 2), as Jina's API and sentence-transformers 6 take them:
+    ``{"image": data URL}``, ``{"audio": WAV data URL}``, ``{"text": ...}``, or several together."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is named, not ignored
+    text: str | None = None
+    image: str | list[str] | None = None
+    audio: str | list[str] | None = None
+
+
 class EmbeddingRequest(_Model):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str | EmbeddingItem] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     # Vendor extra (extra_body): a task prompt of the checkpoint's config_sentence_transformers.json
     # (EmbeddingGemma: "query", "document", ...); without it, the checkpoint's default prompt.
     prompt_name: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _item_keys(cls, value):
+        # Named here: the union's own error would only say the item is not a string.
+        for index, item in enumerate(value if isinstance(value, list) else ()):
+            if isinstance(item, dict) and set(item) - set(EmbeddingItem.model_fields):
+                unknown = sorted(set(item) - set(EmbeddingItem.model_fields))
+                raise ValueError(f"input[{index}] has unknown key(s) {unknown}; known: text, image, audio")
+        return value
 
 
 # ── /v1/responses ───────────────────────────────────────────────────────────────────────────

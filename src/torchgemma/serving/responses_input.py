@@ -1,5 +1,5 @@
-"""/v1/responses' input as the chat path's: input items -> chat messages (text, image and audio
-parts; function calls and their outputs), flat function tools -> chat tools, tool_choice and
+"""/v1/responses' input as the chat path's: input items -> chat messages (text, image, audio and
+video parts; function calls and their outputs), flat function tools -> chat tools, tool_choice and
 text.format -> chat's. Anything not understood is a 400 naming the item (``input.3.content.1``).
 """
 
@@ -68,7 +68,7 @@ def input_message(item: dict, at: str) -> dict:
 
 
 def content_part(part: dict, at: str) -> dict:
-    """One Responses content part as the chat path's (text, image_url, input_audio)."""
+    """One Responses content part as the chat path's (text, image_url, input_audio, video_url)."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "refusal"):
         return {"type": "text", "text": _part_text(part, at)}
@@ -81,6 +81,14 @@ def content_part(part: dict, at: str) -> dict:
         return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail")}}
     if kind == "input_audio":
         return {"type": "input_audio", "input_audio": part.get("input_audio")}
+    if kind in ("input_video", "video_url"):
+        # OpenAI's Responses API has no video part: input_video mirrors input_image (video_url a
+        # data URL string); chat's own video_url part ({"url": ...}) is taken as well.
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise bad_request(f"{kind} needs video_url (a data: URL)", at)
+        return {"type": "video_url", "video_url": {"url": url}}
     if kind == "input_file":
         raise bad_request("input_file is not supported here (no Files API): send text, images or audio", at)
     raise bad_request(f"content part of type {kind!r} is not supported here", at)
