@@ -53,8 +53,19 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, torch.randn(3, 3, 42, 42, generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "attention, dtype",
+    [
+        ("eager", torch.float32),
+        pytest.param("eager", torch.bfloat16, marks=SLOW),
+        pytest.param("sdpa", torch.float32, marks=SLOW),
+        ("sdpa", torch.bfloat16),
+    ],
+    ids=str,
+)
 def test_logits_with_images_equal_transformers(checkpoint, attention, dtype):
     ids, mask, pixels = batch()
     types = (ids == IMAGE).long()
@@ -78,6 +89,7 @@ def test_logits_with_images_equal_transformers(checkpoint, attention, dtype):
         assert (causal - expected).abs().max() > 1e-2
 
 
+@SLOW
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_greedy_with_images_equals_transformers(checkpoint, dtype):
     ids, _, pixels = batch()
@@ -99,6 +111,7 @@ def test_greedy_with_images_equals_transformers(checkpoint, dtype):
     assert len(set(expected.tolist())) > 1
 
 
+@SLOW
 def test_loading_is_strict_and_reads_older_names(checkpoint, tmp_path):
     import shutil
 
@@ -209,7 +222,7 @@ def with_pan_and_scan(folder, tmp_path):
     return copy
 
 
-@pytest.mark.parametrize("pan_and_scan", [False, True])
+@pytest.mark.parametrize("pan_and_scan", [pytest.param(False, marks=SLOW), True])
 def test_llm_inputs_equal_the_processor(published_checkpoint, tmp_path, pan_and_scan):
     """transformers' Gemma3Processor takes its pan-and-scan settings from the call (its own defaults
     override preprocessor_config.json's); torchgemma reads them from the folder's config."""
@@ -242,6 +255,7 @@ def test_llm_inputs_equal_the_processor(published_checkpoint, tmp_path, pan_and_
     assert raw["mm_token_type_ids"].tolist() == expected["token_type_ids"].tolist()
 
 
+@SLOW
 def test_llm_chat_with_an_image_generates_like_transformers(published_checkpoint):
     folder = published_checkpoint("gemma-3-4b-it")
     llm = torchgemma.LLM(folder, attention="eager", progress=False)
@@ -268,3 +282,67 @@ def test_errors_are_named(published_checkpoint):
         llm.inputs([[2]], audio=[np.zeros(16000, np.float32)])
     with pytest.raises(ValueError, match=r"pixel_values must be \(images, 3, 56, 56\)"):
         llm.model(torch.tensor([[2, 5]]), pixel_values=torch.zeros(1, 3, 32, 32))
+
+
+def png(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@SLOW
+def test_cli_generate_with_an_image_equals_transformers(published_checkpoint, tmp_path, capsys):
+    import json
+
+    from torchgemma.cli import main
+
+    folder = published_checkpoint("gemma-3-4b-it")
+    path = tmp_path / "wide.png"
+    path.write_bytes(png(IMAGES["wide"]))
+    argv = ["generate", "--model", str(folder), "--image", str(path), "--temperature", "0"]
+    assert main([*argv, "--max-new-tokens", "5", "--json", "Describe <|image|> please"]) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+    processor = reference_processor(folder)
+    image = Image.open(path)
+    inputs = processor(text=["<bos>Describe <start_of_image> please"], images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        expected = reference(folder, torch.float32).generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert got == expected[0, inputs["input_ids"].shape[1] :].tolist()[: len(got)]
+    assert len(got) > 0
+
+
+@SLOW
+def test_server_chat_with_an_image_url(published_checkpoint):
+    """An image_url content part (a data URL) replies what LLM.chat replies to the same image."""
+    import base64
+
+    import openai
+
+    from serving_fixtures import content_of, running_server
+    from torchgemma.serving.app import create_app
+
+    llm = torchgemma.LLM(published_checkpoint("gemma-3-4b-it"), progress=False)
+    data = png(IMAGES["tall"])
+    url_part = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()},
+    }
+    with running_server(create_app(llm, model_name="g3", max_len=256)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="g3",
+            messages=[{"role": "user", "content": [url_part, {"type": "text", "text": "What is it?"}]}],
+            temperature=0,
+            max_tokens=5,
+        )
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": IMAGES["tall"]}, {"type": "text", "text": "What is it?"}],
+        }
+    ]
+    expected = llm.chat(chat, temperature=0, max_new_tokens=5)
+    assert reply.choices[0].message.content == content_of(llm, expected.token_ids)
+    assert reply.usage.prompt_tokens == int(llm.chat_inputs(chat)["attention_mask"].sum())
