@@ -190,6 +190,24 @@ def test_image_processor_equals_transformers(pan_and_scan):
 # ── the processor: prompts, LLM.chat ────────────────────────────────────────────────────────────
 
 
+@pytest.fixture(scope="module")
+def chat_folder(published_checkpoint, tmp_path_factory):
+    """The published-layout gemma-3-4b-it folder with token embeddings x 0.05: with large tied
+    embeddings every token predicts itself, whatever the image (greedy replies would prove little)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("gemma3-chat") / "ckpt"
+    shutil.copytree(published_checkpoint("gemma-3-4b-it"), folder)
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+    tensors[name] = tensors[name] * 0.05
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
 def reference_processor(folder, **options):
     from transformers import AutoTokenizer, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -243,7 +261,7 @@ def test_llm_inputs_equal_the_processor(published_checkpoint, tmp_path, pan_and_
     assert ours["mm_token_type_ids"].tolist() == theirs["token_type_ids"].tolist()
     assert len(ours["pixel_values"]) == (5 if pan_and_scan else 2)
     # A raw prompt, and a batch of two whose images are taken in order.
-    prompts = ["<bos>First <start_of_image> then\n<start_of_image>", "<bos>Last:<start_of_image>"]
+    prompts = ["First <start_of_image> then\n<start_of_image>", "Last:<start_of_image>"]
     images.append(IMAGES["tall"])
     raw = llm.inputs(llm.processor.encode_all(prompts, images=images), images=images)
     processor.tokenizer.padding_side = "left"
@@ -256,9 +274,9 @@ def test_llm_inputs_equal_the_processor(published_checkpoint, tmp_path, pan_and_
 
 
 @SLOW
-def test_llm_chat_with_an_image_generates_like_transformers(published_checkpoint):
-    folder = published_checkpoint("gemma-3-4b-it")
-    llm = torchgemma.LLM(folder, attention="eager", progress=False)
+def test_llm_chat_with_an_image_generates_like_transformers(chat_folder):
+    folder = chat_folder
+    llm = torchgemma.LLM(folder, dtype=torch.float32, attention="eager", progress=False)
     processor = reference_processor(folder)
     chat = messages(IMAGES["tall"])
     inputs = processor.apply_chat_template(
@@ -268,7 +286,11 @@ def test_llm_chat_with_an_image_generates_like_transformers(published_checkpoint
     with torch.no_grad():
         expected = ref.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None)
     expected = expected[0, inputs["input_ids"].shape[1] :].tolist()
-    assert list(llm.chat(chat, max_new_tokens=6, stop_token_ids=[]).token_ids) == expected
+    # temperature 0: the folder's generation_config.json samples (top-k 64), as published.
+    assert list(llm.chat(chat, max_new_tokens=6, stop_token_ids=[], temperature=0).token_ids) == expected
+    assert len(set(expected)) > 1
+    other = llm.chat(messages(IMAGES["square"]), max_new_tokens=6, stop_token_ids=[], temperature=0)
+    assert list(other.token_ids) != expected  # the image changes the reply
 
 
 def test_errors_are_named(published_checkpoint):
@@ -293,28 +315,29 @@ def png(array: np.ndarray) -> bytes:
 
 
 @SLOW
-def test_cli_generate_with_an_image_equals_transformers(published_checkpoint, tmp_path, capsys):
+def test_cli_generate_with_an_image_equals_transformers(chat_folder, tmp_path, capsys):
     import json
 
     from torchgemma.cli import main
 
-    folder = published_checkpoint("gemma-3-4b-it")
+    folder = chat_folder
     path = tmp_path / "wide.png"
     path.write_bytes(png(IMAGES["wide"]))
-    argv = ["generate", "--model", str(folder), "--image", str(path), "--temperature", "0"]
+    argv = ["generate", "--model", str(folder), "--image", str(path), "--temperature", "0", "--dtype", "fp32"]
     assert main([*argv, "--max-new-tokens", "5", "--json", "Describe <|image|> please"]) == 0
     got = json.loads(capsys.readouterr().out)["token_ids"]
     processor = reference_processor(folder)
     image = Image.open(path)
-    inputs = processor(text=["<bos>Describe <start_of_image> please"], images=[[image]], return_tensors="pt")
+    # The tokenizer adds <bos> (add_bos_token), to the reference's text as to the CLI's.
+    inputs = processor(text=["Describe <start_of_image> please"], images=[[image]], return_tensors="pt")
     with torch.no_grad():
         expected = reference(folder, torch.float32).generate(**inputs, max_new_tokens=5, do_sample=False)
     assert got == expected[0, inputs["input_ids"].shape[1] :].tolist()[: len(got)]
-    assert len(got) > 0
+    assert len(set(got)) > 1
 
 
 @SLOW
-def test_server_chat_with_an_image_url(published_checkpoint):
+def test_server_chat_with_an_image_url(chat_folder):
     """An image_url content part (a data URL) replies what LLM.chat replies to the same image."""
     import base64
 
@@ -323,7 +346,7 @@ def test_server_chat_with_an_image_url(published_checkpoint):
     from serving_fixtures import content_of, running_server
     from torchgemma.serving.app import create_app
 
-    llm = torchgemma.LLM(published_checkpoint("gemma-3-4b-it"), progress=False)
+    llm = torchgemma.LLM(chat_folder, progress=False)
     data = png(IMAGES["tall"])
     url_part = {
         "type": "image_url",
@@ -344,5 +367,6 @@ def test_server_chat_with_an_image_url(published_checkpoint):
         }
     ]
     expected = llm.chat(chat, temperature=0, max_new_tokens=5)
+    assert len(set(expected.token_ids)) > 1
     assert reply.choices[0].message.content == content_of(llm, expected.token_ids)
     assert reply.usage.prompt_tokens == int(llm.chat_inputs(chat)["attention_mask"].sum())

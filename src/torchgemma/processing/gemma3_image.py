@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .image import ImageInput, _to_rgb_array, _to_uint8
+from .image import ImageInput, _to_rgb_array, _to_uint8, processor_config_section
 
 CROPS_INTRO = "Here is the original image {image} and here are some crops to help you see better "
 
@@ -52,13 +52,7 @@ class Gemma3ImageSettings:
     def from_folder(cls, folder: Path | None, image_size: int, tokens_per_image: int) -> Gemma3ImageSettings:
         """From a checkpoint folder's ``preprocessor_config.json`` (or ``processor_config.json``'s
         ``image_processor``); a size other than the tower's, or no resizing, is refused by name."""
-        found: dict[str, Any] = {}
-        if folder is not None:
-            nested, alone = folder / "processor_config.json", folder / "preprocessor_config.json"
-            if nested.is_file():
-                found = json.loads(nested.read_text(encoding="utf-8")).get("image_processor") or {}
-            if not found and alone.is_file():
-                found = json.loads(alone.read_text(encoding="utf-8"))
+        found = processor_config_section(folder, "image_processor", "preprocessor_config.json")
         known = {f.name for f in fields(cls)} - {"size", "image_seq_length"}
         values: dict[str, Any] = {k: v for k, v in found.items() if k in known and v is not None}
         for key in ("image_mean", "image_std"):

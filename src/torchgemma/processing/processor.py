@@ -35,7 +35,7 @@ from .gemma3_image import (
     expand_images_in_template,
     process_images_gemma3,
 )
-from .image import PATCH_SIZE, POOLING_KERNEL
+from .image import PATCH_SIZE, POOLING_KERNEL, processor_config_section
 from .prompt import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .unified import prepare_unified_prompts
 from .video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS
@@ -454,13 +454,7 @@ def _image_soft_tokens(folder: Path | None) -> int:
 def _video_settings(folder: Path | None) -> tuple[int, int | None]:
     """Soft tokens per frame and frames kept per video (None: all) from the checkpoint's video
     processor config, as transformers saves it (nested in processor_config.json, or on its own)."""
-    found: dict[str, Any] = {}
-    if folder is not None:
-        nested, alone = folder / "processor_config.json", folder / "video_preprocessor_config.json"
-        if nested.is_file():
-            found = json.loads(nested.read_text(encoding="utf-8")).get("video_processor") or {}
-        if not found and alone.is_file():
-            found = json.loads(alone.read_text(encoding="utf-8"))
+    found = processor_config_section(folder, "video_processor", "video_preprocessor_config.json")
     num_frames = found.get("num_frames", DEFAULT_NUM_FRAMES)
     if found.get("do_sample_frames") is False:
         num_frames = None
