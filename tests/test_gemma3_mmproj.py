@@ -45,7 +45,9 @@ def test_mmproj_tower_gives_transformers_soft_tokens():
     }
     model.load_state_dict({**state, **tensors}, strict=True)
     reference_config = Gemma3Config.from_pretrained(DATA)
-    reference = Gemma3ForConditionalGeneration._from_config(reference_config, attn_implementation="eager").eval()
+    reference = Gemma3ForConditionalGeneration._from_config(
+        reference_config, attn_implementation="eager"
+    ).eval()
     missing, unexpected = reference.model.load_state_dict(
         load_file(DATA / "vision.safetensors"), strict=False
     )
