@@ -431,7 +431,11 @@ def family_configs() -> dict[str, ModelConfig]:
 
     tops = {
         "gemma4": {"vision_config": TINY_VISION},
-        "gemma3": {"vision_config": {"hidden_size": 1152}},  # SigLIP: not built
+        "gemma3": {  # SigLIP: 4x4 patches pooled into 2x2 soft tokens
+            "vision_config": {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+            "mm_tokens_per_image": 4,
+        },
         "gemma3n": {"vision_config": {"vocab_offset": 260, "vocab_size": 20}, "audio_config": {
             "vocab_offset": 280, "vocab_size": 20, "hidden_size": 16, "conf_num_hidden_layers": 1,
             "conf_num_attention_heads": 2, "sscp_conv_channel_size": [4, 3]}},
@@ -452,11 +456,11 @@ def test_family_facts():
     configs = family_configs()
     assert {t: c.family.name for t, c in configs.items()} == {t: t.removesuffix("_text") for t in configs}
     assert {t for t, c in configs.items() if c.text_only} == {t for t in configs if t.endswith("_text")}
-    assert {t for t, c in configs.items() if c.takes_media} == {"gemma4", "gemma4_unified"}
+    assert {t for t, c in configs.items() if c.takes_media} == {"gemma4", "gemma4_unified", "gemma3"}
     assert {t for t, c in configs.items() if c.encoder_free} == {"gemma4_unified"}
-    assert configs["gemma3"].towers_note == "torchgemma builds only the text model of model_type 'gemma3'"
+    assert configs["gemma3"].siglip_vision.tokens_per_side == 2
     assert "not its vision tower" in configs["gemma3n"].towers_note
-    for model_type in ("gemma4", "gemma4_unified", "gemma3_text", "gemma3n_text"):
+    for model_type in ("gemma4", "gemma4_unified", "gemma3", "gemma3_text", "gemma3n_text"):
         assert configs[model_type].towers_note == "config.json describes none"
 
 
@@ -485,10 +489,15 @@ def test_module_path_follows_each_family():
     text = configs["gemma3_text"]
     assert gemma4.module_path("model.language_model.norm.weight") == "language_model.norm.weight"
     assert gemma4.module_path("model.vision_tower.encoder.x") == "vision_tower.encoder.x"
-    # Gemma 3's published multimodal layout; its SigLIP tower and projector are not built.
+    # Gemma 3's published multimodal layout (transformers 4.5x: vision_model. inside the tower) and
+    # transformers 5's; SigLIP's pooling head, unused by Gemma 3, is not built.
     assert gemma3.module_path("language_model.model.norm.weight") == "language_model.norm.weight"
+    fc1 = "vision_tower.encoder.layers.0.mlp.fc1.weight"
+    assert gemma3.module_path("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == fc1
+    assert gemma3.module_path("model.vision_tower.encoder.layers.0.mlp.fc1.weight") == fc1
     assert gemma3.module_path("vision_tower.vision_model.head.weight") is None
-    assert gemma3.module_path("multi_modal_projector.mm_input_projection_weight") is None
+    projection = "multi_modal_projector.mm_input_projection_weight"
+    assert gemma3.module_path(projection) == projection
     # Gemma 3n: its vision tower and soft-token norm are not built; the embedders sit in the text model.
     assert gemma3n.module_path("model.vision_tower.timm_model.conv_stem.weight") is None
     assert gemma3n.module_path("model.embed_vision.soft_embedding_norm.weight") is None

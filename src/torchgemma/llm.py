@@ -287,7 +287,7 @@ class LLM:
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         run = self._settings(sampling, settings, max_new_tokens, stats)
-        inputs = self.inputs([self.encode(p, audio) for p in prompts], images, audio, videos)
+        inputs = self.inputs(self.processor.encode_all(prompts, audio, images), images, audio, videos)
         texts = [self.tokenizer.decode(_without_stop(row, run.stops)) for row in self._collect(inputs, run)]
         return texts[0] if isinstance(prompt, str) else texts
 

@@ -25,6 +25,7 @@ from .schema import (
     LayerType,
     MediaVocabulary,
     RopeSpec,
+    SiglipVisionConfig,
     TextConfig,
     UnifiedAudioConfig,
     UnifiedVisionConfig,
@@ -51,6 +52,7 @@ __all__ = [
     "RopeSpec",
     "TextConfig",
     "UnifiedAudioConfig",
+    "SiglipVisionConfig",
     "UnifiedVisionConfig",
     "VisionConfig",
     # the tower readers tests call directly

@@ -19,6 +19,7 @@ from .schema import (
     ConfigError,
     Family,
     Gemma3nAudioConfig,
+    SiglipVisionConfig,
     TextConfig,
     UnifiedAudioConfig,
     UnifiedVisionConfig,
@@ -48,6 +49,8 @@ class ModelConfig:
     unified_audio: UnifiedAudioConfig | None = None
     # gemma3n: its audio conformer (its MobileNet-V5 vision tower is not built).
     gemma3n_audio: Gemma3nAudioConfig | None = None
+    # gemma3: its SigLIP vision tower and projector.
+    siglip_vision: SiglipVisionConfig | None = None
     # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
     # has_mins, scale_dtype?}}} (config.json's "quantization_config", quant_method "torchgemma").
     quantization: dict | None = None

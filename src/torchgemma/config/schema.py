@@ -10,6 +10,7 @@ is written down as data here too: fields of ``TextConfig``, tower configs, and a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -176,7 +177,9 @@ class TextConfig:
     # Which layers let an image's tokens see each other both ways (use_bidirectional_attention "vision"):
     # "sliding" (gemma4: sliding layers, within the window) or "all" (gemma4_unified, as transformers'
     # forward builds its masks: every layer, and a block is seen whole even past the window).
-    vision_block_layers: Literal["sliding", "all"] = "sliding"
+    # "windowed" (gemma3, as transformers' create_masks_for_vision_model): every layer, but a sliding
+    # layer's window still bounds what an image token sees.
+    vision_block_layers: Literal["sliding", "all", "windowed"] = "sliding"
     # EmbeddingGemma 2: per-layer inputs from the context projection alone (no token table, no
     # 2^-1/2 blend), and the final states projected to this width (0: none) as the sentence states.
     ple_token_table: bool = True
@@ -220,6 +223,33 @@ class VisionConfig:
     use_clipped_linears: bool
     # 26B/31B: soft tokens are standardised with a stored bias and scale.
     standardize: bool
+
+
+@dataclass(frozen=True)
+class SiglipVisionConfig:
+    """Gemma 3's vision tower (a SigLIP ViT over a fixed square image) and its projector, which
+    average-pools the patch grid into ``mm_tokens_per_image`` soft tokens."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    mm_tokens_per_image: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_side(self) -> int:
+        return math.isqrt(self.mm_tokens_per_image)
 
 
 @dataclass(frozen=True)

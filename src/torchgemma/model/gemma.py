@@ -1,5 +1,5 @@
-"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``
-and the audio tower of ``gemma3n``.
+"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``,
+the SigLIP tower of ``gemma3`` and the audio tower of ``gemma3n``.
 
 Module names follow the checkpoint's tensor names with the ``model.`` prefix removed
 (``language_model.layers.3.self_attn.q_proj.weight``, ``vision_tower.encoder.layers.0...``,
@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from .audio import AudioTower
 from .gemma3n_audio import Gemma3nAudioEncoder
 from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
+from .siglip import MultiModalProjector, SiglipVisionTower
 from .text import TextModel
 from .unified import VisionEmbedder
 from .vision import VisionTower
@@ -57,6 +58,9 @@ class Gemma(nn.Module):
             self.embed_audio = MultimodalEmbedder(audio.audio_embed_dim, text.hidden_size, audio.rms_norm_eps)
         if config.gemma3n_audio is not None:  # its soft tokens go through language_model.embed_audio
             self.audio_tower = Gemma3nAudioEncoder(config.gemma3n_audio)
+        if config.siglip_vision is not None:  # gemma3
+            self.vision_tower = SiglipVisionTower(config.siglip_vision, attention)
+            self.multi_modal_projector = MultiModalProjector(config.siglip_vision, text.hidden_size)
 
     @property
     def takes_media(self) -> bool:
@@ -85,7 +89,7 @@ class Gemma(nn.Module):
 
     def set_attention(self, backend: str) -> None:
         self.language_model.set_attention(backend)
-        if self.config.vision_config is not None:
+        if self.config.vision_config is not None or self.config.siglip_vision is not None:
             self.vision_tower.set_attention(backend)
 
     def make_cache(
@@ -111,12 +115,23 @@ class Gemma(nn.Module):
         pad token (its soft token, if any, is scattered in afterwards), also when it is generated."""
         if not self.takes_media:
             return input_ids
+        if self.config.siglip_vision is not None:
+            # Gemma 3 embeds its image token's own row, unless it lies past the table (as the reference).
+            image = self.config.token_ids["image_token_id"]
+            return (
+                input_ids.masked_fill(input_ids == image, 0)
+                if image >= self.config.text.vocab_size
+                else input_ids
+            )
         masks = placeholder_masks(input_ids, self.config.token_ids)
         placeholders = masks["image"] | masks["video"] | masks["audio"]
         return input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
 
-    def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
+        if self.config.siglip_vision is not None:  # gemma3: images (n, 3, S, S) -> (n * m, H)
+            soft = self.multi_modal_projector(self.vision_tower(pixel_values.to(self.device)))
+            return soft.reshape(-1, soft.shape[-1])
         if self.config.unified_vision is not None:
             if position_ids is None:
                 raise ValueError("pixel values need their patch positions (image_position_ids)")
@@ -211,6 +226,8 @@ class Gemma(nn.Module):
                 mask = input_ids == self.config.gemma3n_audio.audio_token_id
                 embeds = scatter_soft_tokens(embeds, mask, soft, "audio")
             return embeds, input_ids
+        if self.config.siglip_vision is not None:
+            return self.gemma3_embed(input_ids, pixel_values, pixel_values_videos, input_features)
         masks = placeholder_masks(input_ids, self.config.token_ids)
         text_ids = self.text_ids(input_ids)
         embeds = self.language_model.embed(text_ids)
@@ -223,6 +240,18 @@ class Gemma(nn.Module):
         if input_features is not None:
             soft = self.audio_features(input_features, input_features_mask)
             embeds = scatter_soft_tokens(embeds, masks["audio"], soft, "audio")
+        return embeds, text_ids
+
+    def gemma3_embed(self, input_ids, pixel_values, videos, audio) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 3: the text embeddings with each image's ``mm_tokens_per_image`` soft tokens written
+        over its image tokens, in order."""
+        if videos is not None or audio is not None:
+            raise ValueError("Gemma 3 takes images only (its processor has no video or audio)")
+        text_ids = self.text_ids(input_ids)
+        embeds = self.language_model.embed(text_ids)
+        if pixel_values is not None:
+            mask = input_ids == self.config.token_ids["image_token_id"]
+            embeds = scatter_soft_tokens(embeds, mask, self.image_features(pixel_values, None), "image")
         return embeds, text_ids
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
@@ -258,8 +287,9 @@ class Gemma(nn.Module):
         ``num_frames_per_video`` is only checked). Soft tokens fill the ``<|image|>`` /
         ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
         on bidirectional attention inside each image and each video frame on sliding layers, for
-        checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the
-        prompt only. Gemma 3n: ``input_features`` / ``input_features_mask`` as
+        checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B; Gemma 3 on every
+        layer); pass it with the prompt only. Gemma 3: ``pixel_values`` (n_images, 3, S, S) as
+        ``Gemma3ImageProcessor`` returns them (``mm_token_type_ids``: its ``token_type_ids``). Gemma 3n: ``input_features`` / ``input_features_mask`` as
         ``Gemma3nAudioFeatureExtractor`` returns them; each clip fills ``audio_soft_tokens_per_image``
         (188) audio placeholders, in order.
         """

@@ -56,13 +56,15 @@ def allowed_keys(
     return (allowed & key_valid[:, None, :])[:, None]
 
 
-def uncached_keys(length, valid, window, vision_blocks, bidirectional, device, blocks_past_window=False):
-    """Keys of a call without cache: its own tokens, causal in columns (padding included)."""
+def uncached_keys(length, valid, window, vision_blocks, bidirectional, device, block_layers="sliding"):
+    """Keys of a call without cache: its own tokens, causal in columns (padding included).
+    ``block_layers``: where image blocks apply (``TextConfig.vision_block_layers``)."""
     index = torch.arange(length, device=device)[None]
     key_valid = torch.ones_like(index, dtype=torch.bool) if valid is None else valid
-    with_blocks = vision_blocks is not None and (window is not None or blocks_past_window)
+    with_blocks = vision_blocks is not None and (window is not None or block_layers != "sliding")
     blocks = (vision_blocks, vision_blocks) if with_blocks else None
-    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional, blocks_past_window)
+    past_window = block_layers == "all"
+    allowed = allowed_keys(index, index, key_valid, window, blocks, bidirectional, past_window)
     # transformers skips the sdpa mask only without padding, blocks or bidirectionality, and on
     # sliding layers only while the keys fit in the window. (A bidirectional Gemma 3 builds its
     # masks with an or_mask_function, which turns the skip off: a mask even on full layers without
@@ -76,16 +78,17 @@ def uncached_keys(length, valid, window, vision_blocks, bidirectional, device, b
     return allowed, None, None, trivial
 
 
-def cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, blocks_past_window=False):
+def cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, block_layers="sliding"):
     """Keys of a cached call: the rows' stored keys (full layers) or the window's past plus this
     call's own keys (sliding layers), with each row's range when the call knows its lengths."""
+    blocks_past_window = block_layers == "all"
     batch, length = step.positions.shape
     this_call = torch.ones_like(step.positions, dtype=torch.bool) if step.written is None else step.written
     if window is None:
         key_index = torch.arange(step.full_span, device=device)[None]
         key_valid = key_index < step.ends
         blocks = None
-        if vision_blocks is not None and blocks_past_window:
+        if vision_blocks is not None and block_layers != "sliding":
             # Full layers' keys are columns = positions; keys from earlier calls belong to no block.
             # amax: a padding token (block -1) sharing a column with a real one never overwrites it.
             key_block = torch.full((batch, step.full_span), -1, dtype=vision_blocks.dtype, device=device)

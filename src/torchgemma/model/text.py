@@ -768,14 +768,14 @@ class TextModel(nn.Module):
         layout = {}
         for layer_type in cfg.rope:
             spec = cfg.layers[cfg.layer_types.index(layer_type)]
-            # gemma4 applies image blocks on sliding layers only; gemma4_unified on every layer.
-            all_layers = cfg.vision_block_layers == "all"
+            # gemma4 applies image blocks on sliding layers only; gemma4_unified and gemma3 on all.
+            block_layers = cfg.vision_block_layers
             if step is None:
                 keys = uncached_keys(
-                    length, valid, spec.window, vision_blocks, cfg.bidirectional, device, all_layers
+                    length, valid, spec.window, vision_blocks, cfg.bidirectional, device, block_layers
                 )
             else:
-                keys = cached_keys(cache, step, spec.window, vision_blocks, device, all_layers)
+                keys = cached_keys(cache, step, spec.window, vision_blocks, device, block_layers)
             cos, sin = rope[layer_type]
             layout[layer_type] = attention_inputs(keys, cos, sin, self.attention, dtype)
         return layout

@@ -7,6 +7,7 @@ of 48 px, rescale by 1/255, cut into 16x16 patches, pad to a fixed number of pat
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +92,20 @@ def process_images(
         "image_position_ids": torch.from_numpy(position_ids),
         "num_soft_tokens": num_soft_tokens,
     }
+
+
+def processor_config_section(folder: Path | None, section: str, alone: str) -> dict:
+    """One processor's settings from a checkpoint folder, as transformers saves them: the ``section``
+    of ``processor_config.json`` (``"image_processor"``, ...), else the file ``alone``
+    (``preprocessor_config.json``, ...); empty when neither is there."""
+    found: dict = {}
+    if folder is not None:
+        nested = folder / "processor_config.json"
+        if nested.is_file():
+            found = json.loads(nested.read_text(encoding="utf-8")).get(section) or {}
+        if not found and (folder / alone).is_file():
+            found = json.loads((folder / alone).read_text(encoding="utf-8"))
+    return found
 
 
 def _check_budget(max_soft_tokens: int) -> None:

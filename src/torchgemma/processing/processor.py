@@ -10,7 +10,7 @@ prepares them.
 The family's way with media is chosen once, when the processor is made: Gemma 4's towers
 (``prompt.prepare_media_prompts``), Gemma 4 Unified's encoder-free embedders
 (``unified.prepare_unified_prompts``), Gemma 3n's audio (placeholders expanded in the text, features
-from ``gemma3n_audio``), or none (a text model refuses media by name). Nothing here pads: a batch of
+from ``gemma3n_audio``), Gemma 3's images (likewise, pixels from ``gemma3_image``), or none (a text model refuses media by name). Nothing here pads: a batch of
 prompts is padded where it is batched (``LLM`` for ``generate``; the engine takes rows as they are).
 """
 
@@ -29,7 +29,13 @@ from ..model.inputs import MediaInputs
 from ..tokenizer import Tokenizer, UnknownTokenError
 from ..tokenizer.chat_template import select_chat_template
 from . import gemma3n_audio
-from .image import PATCH_SIZE, POOLING_KERNEL
+from .gemma3_image import (
+    Gemma3ImageSettings,
+    expand_image_text,
+    expand_images_in_template,
+    process_images_gemma3,
+)
+from .image import PATCH_SIZE, POOLING_KERNEL, processor_config_section
 from .prompt import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .unified import prepare_unified_prompts
 from .video import DEFAULT_NUM_FRAMES, DEFAULT_VIDEO_SOFT_TOKENS
@@ -135,7 +141,14 @@ class Processor:
         self._expand_media: Callable[[list[list[int]], list, list, list], ExpandedRows]
         self._unified = config.encoder_free  # embedders project media into the decoder, no towers
         self._gemma3n_soft_tokens: int | None = None  # Gemma 3n: per clip, expanded in the text
-        if config.gemma3n_audio is not None:
+        self._gemma3_images: Gemma3ImageSettings | None = None  # Gemma 3: expanded in the text
+        if config.siglip_vision is not None:
+            vision = config.siglip_vision
+            self._expand_media = self._gemma3_media
+            self._gemma3_images = Gemma3ImageSettings.from_folder(
+                settings, vision.image_size, vision.mm_tokens_per_image
+            )
+        elif config.gemma3n_audio is not None:
             self._expand_media = self._gemma3n_media
             self._gemma3n_soft_tokens = config.gemma3n_audio.soft_tokens_per_clip
         elif self._unified:
@@ -162,7 +175,7 @@ class Processor:
     ) -> ProcessedPrompt:
         """A raw prompt (text, encoded with ``encode``, or token ids) and the media filling its
         ``<|image|>`` / ``<|audio|>`` / ``<|video|>`` placeholders, in order."""
-        ids = self.encode(prompt, audio) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt, audio, images) if isinstance(prompt, str) else list(prompt)
         return self.process(ids, images, audio, videos)
 
     def chat(
@@ -185,6 +198,7 @@ class Processor:
             sanitize_control_tokens=sanitize_control_tokens,
             reply_prefix=reply_prefix,
             audio=audio,
+            images=images,
         )
         return self.process(ids, images, audio, collect_videos(messages))
 
@@ -222,15 +236,20 @@ class Processor:
 
     # ---- text -----------------------------------------------------------------------------------
 
-    def encode(self, prompt: str, audio: Sequence[Any] | None = None) -> list[int]:
+    def encode(
+        self, prompt: str, audio: Sequence[Any] | None = None, images: Sequence[Any] | None = None
+    ) -> list[int]:
         """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained.
 
         Gemma 4 tokenizers add no ``<bos>`` themselves (the chat template writes it), so it is added
-        here unless the prompt's text already begins with it. Gemma 3n with ``audio``: each audio
-        placeholder is expanded in the text first, as its processor does.
+        here unless the prompt's text already begins with it. Gemma 3n with ``audio`` and Gemma 3
+        with ``images`` (those of this prompt): each placeholder is expanded in the text first, as
+        their processors do.
         """
         if audio and self._gemma3n_soft_tokens is not None:
             prompt = gemma3n_audio.expand_audio_text(prompt, self.tokenizer, self._gemma3n_soft_tokens)
+        if images and self._gemma3_images is not None:
+            prompt = expand_image_text(prompt, self._gemma3_tokens(), self._gemma3_image_texts(images))
         ids = self.tokenizer.encode(prompt)
         try:
             bos = self.tokenizer.bos_id
@@ -264,9 +283,11 @@ class Processor:
         sanitize_control_tokens: bool = True,
         reply_prefix: str = "",
         audio: Sequence[Any] = (),
+        images: Sequence[Any] = (),
     ) -> list[int]:
         """``chat_ids`` ready for ``process``: Gemma 3n's template writes each of the ``audio`` clips'
-        placeholders expanded, as Gemma3nProcessor's does; ``reply_prefix`` is text the reply is made
+        placeholders expanded, as Gemma3nProcessor's does (Gemma 3: each of the ``images``', as
+        Gemma3Processor's); ``reply_prefix`` is text the reply is made
         to start with (``replies.forced_call_prefix``), written after the generation prompt.
 
         ``sanitize_control_tokens``: control tokens typed in the messages (``<turn|>``, ``<|image|>``)
@@ -278,21 +299,28 @@ class Processor:
             enable_thinking=enable_thinking,
             tools=tools,
             sanitize_control_tokens=sanitize_control_tokens,
-            chat_template=self.template_for(audio, tools),
+            chat_template=self.template_for(audio, tools, images),
         )
         if reply_prefix:
             ids = ids + self.tokenizer.encode(reply_prefix, add_special_tokens=False)
         return ids
 
-    def template_for(self, audio: Sequence[Any], tools: Sequence[Any] | None = None) -> str | None:
+    def template_for(
+        self, audio: Sequence[Any], tools: Sequence[Any] | None = None, images: Sequence[Any] = ()
+    ) -> str | None:
         """The chat template a conversation with these audio clips (and ``tools``) renders with: None
         (the tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in
-        the text. Expanded once per template, on first use."""
-        if not audio or self._gemma3n_soft_tokens is None:
+        the text (expanded once per template, on first use), and Gemma 3 with images, each of whose
+        placeholders renders as that image's text."""
+        gemma3 = images and self._gemma3_images is not None
+        if not gemma3 and (not audio or self._gemma3n_soft_tokens is None):
             return None
         template = select_chat_template(
             self.tokenizer.chat_template, tools=tools, source=self.tokenizer.name_or_path
         )
+        if gemma3:
+            boi = self._gemma3_tokens()[0]
+            return expand_images_in_template(template, boi, self._gemma3_image_texts(images))
         if template not in self._expanded_templates:
             self._expanded_templates[template] = gemma3n_audio.expand_audio_in_template(
                 template, self.tokenizer, self._gemma3n_soft_tokens
@@ -354,6 +382,51 @@ class Processor:
         features = gemma3n_audio.process_audio_gemma3n(audio, **settings)
         return ExpandedRows(rows, None, features)
 
+    def _gemma3_tokens(self) -> tuple[str, str, str]:
+        ids = self.config.token_ids
+        return tuple(self.tokenizer.id_to_token(ids[f"{name}_token_id"]) for name in ("boi", "image", "eoi"))
+
+    def _gemma3_image_texts(self, images: Sequence[Any]) -> list[str]:
+        settings, tokens = self._gemma3_images, self._gemma3_tokens()
+        return [settings.image_text(tokens, crops) for crops in settings.crop_counts(images)]
+
+    def encode_all(
+        self, prompts: Sequence[str], audio: Sequence[Any] | None = None, images: Sequence[Any] | None = None
+    ) -> list[list[int]]:
+        """``encode`` of several raw prompts whose placeholders the media fill in order: Gemma 3's
+        i-th ``<start_of_image>`` over all prompts takes ``images[i]``."""
+        if not images or self._gemma3_images is None:
+            return [self.encode(prompt, audio) for prompt in prompts]
+        boi, left = self._gemma3_tokens()[0], list(images)
+        rows = []
+        for prompt in prompts:
+            count = prompt.count(boi)
+            rows.append(self.encode(prompt, audio, left[:count]) if count else self.encode(prompt, audio))
+            left = left[count:]
+        if left:
+            raise ValueError(f"{len(images)} images were given but the prompts hold fewer {boi} placeholders")
+        return rows
+
+    def _gemma3_media(self, rows: list[list[int]], images: list, audio: list, videos: list) -> ExpandedRows:
+        """Prompts whose image placeholders are already expanded (``encode`` and ``render_chat``
+        expand them in the text, as Gemma3Processor), and the images' pixels."""
+        if audio or videos:
+            raise ValueError("Gemma 3 takes images only: it cannot take audio or videos")
+        image_id = self.config.token_ids["image_token_id"]
+        processed = process_images_gemma3(images, self._gemma3_images)
+        per_image = self._gemma3_images.image_seq_length
+        expected = per_image * processed["pixel_values"].shape[0]
+        found = sum(row.count(image_id) for row in rows)
+        if found != expected:
+            raise ValueError(
+                f"the prompts hold {found} image tokens but {len(images)} images (with "
+                f"{sum(processed['num_crops'])} pan-and-scan crops) need {expected}: Gemma 3 prompts take "
+                "each image's placeholder expanded in the text (LLM.chat and LLM.generate do this; see "
+                "processing.gemma3_image.expand_image_text)"
+            )
+        types = [[int(token == image_id) for token in row] for row in rows]
+        return ExpandedRows(rows, types, {"pixel_values": processed["pixel_values"]})
+
     def _media_tokens(self, images: list, audio: list, videos: list) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
         config = self.config
@@ -396,13 +469,7 @@ def _image_soft_tokens(folder: Path | None) -> int:
 def _video_settings(folder: Path | None) -> tuple[int, int | None]:
     """Soft tokens per frame and frames kept per video (None: all) from the checkpoint's video
     processor config, as transformers saves it (nested in processor_config.json, or on its own)."""
-    found: dict[str, Any] = {}
-    if folder is not None:
-        nested, alone = folder / "processor_config.json", folder / "video_preprocessor_config.json"
-        if nested.is_file():
-            found = json.loads(nested.read_text(encoding="utf-8")).get("video_processor") or {}
-        if not found and alone.is_file():
-            found = json.loads(alone.read_text(encoding="utf-8"))
+    found = processor_config_section(folder, "video_processor", "video_preprocessor_config.json")
     num_frames = found.get("num_frames", DEFAULT_NUM_FRAMES)
     if found.get("do_sample_frames") is False:
         num_frames = None
