@@ -96,23 +96,27 @@ def build_media_llm_checkpoint(folder: Path, large: bool, seed: int) -> Path:
     """A tiny ``gemma4`` checkpoint with the fixture tokenizer's vocabulary (media tokens at its end,
     as in the real layout): E2B-like towers for images and audio, or (large) the 26B/31B-like vision
     tower alone; tokenizer, generation_config.json and processor_config.json beside the weights."""
-    from transformers import Gemma4AudioFeatureExtractor
 
     build_media_chat_checkpoint(
         folder, vocab_size=VOCAB_SIZE, media_token_ids=media_token_ids(), large=large, seed=seed
     )
     write_gemma4_tokenizer(folder)
     (folder / "generation_config.json").write_text(json.dumps(GEMMA4_GENERATION_CONFIG))
-    # What Gemma4Processor.save_pretrained writes (it cannot save here: no torchvision, no video processor).
-    processor_config = {
+    (folder / "processor_config.json").write_text(json.dumps(processor_config(), default=str))
+    return folder
+
+
+def processor_config() -> dict:
+    """What Gemma4Processor.save_pretrained writes (it cannot save here: no torchvision, no video processor)."""
+    from transformers import Gemma4AudioFeatureExtractor
+
+    return {
         "processor_class": "Gemma4Processor",
         "image_processor": image_processor().to_dict(),
         "feature_extractor": Gemma4AudioFeatureExtractor().to_dict(),
         "image_seq_length": 280,
         "audio_seq_length": 750,
     }
-    (folder / "processor_config.json").write_text(json.dumps(processor_config, default=str))
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -103,8 +103,8 @@ class LLM:
     Videos keep ``video_num_frames`` frames of ``video_soft_tokens`` soft tokens each: the processor
     config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
     ``quantize``: as in ``torchgemma.load`` (``"auto"``: a .gguf file, or the named model
-    gemma3-270m, keeps its GGUF blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``: as in
-    ``torchgemma.load`` (a quantized model's prefill on the CPU: ``"auto"``, ``"int16"``, ``"int8"`` or None).
+    gemma3-270m, keeps its GGUF blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``, ``mmproj``
+    (llama.cpp's towers file beside a .gguf model): as in ``torchgemma.load``.
     ``prefix_cache_gb``: the memory (GiB) of the prefix cache the LLM keeps across calls
     (``llm.prefix_cache``, a ``generation.prefix_cache.PrefixCache``): a prompt that begins as an
     earlier one did (the conversation so far, a shared system prompt) prefills only the rest, with
@@ -123,12 +123,12 @@ class LLM:
         quantize: str | None = "auto",
         activations: str | None = "auto",
         prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
+        mmproj: str | Path | None = None,
     ) -> None:
         prefix_cache = prefix_cache_of(prefix_cache_gb)  # checked before the load
         folder = resolve_source(source)
         self.folder = folder
-        # The source, not the folder: load resolves it again (a local or cached path by now) and
-        # reads quantize="auto" from its name, the one place that does.
+        # The source, not the folder: load resolves it again and reads quantize="auto" from its name.
         self.model = load(
             source,
             dtype=dtype,
@@ -137,14 +137,14 @@ class LLM:
             progress=progress,
             quantize=quantize,
             activations=activations,
+            mmproj=mmproj,
         )
         self.tokenizer = load_tokenizer(folder)
         text = self.model.config.text
         self.generation_config = GenerationConfig.from_folder(folder, text)
-        # Added tokens may reach past the embedding table (the published EmbeddingGemma and Gemma 3
-        # 270M/1B map <image_soft_token> to 262144, one past theirs): legal, until a prompt uses one
-        # (check_embedding_rows, before the model runs). Vocabulary pieces past it would come out of
-        # plain text: a tokenizer of another model.
+        # Added tokens may reach past the embedding table (EmbeddingGemma and Gemma 3 270M/1B map
+        # <image_soft_token> to 262144, one past theirs): legal, until a prompt uses one (checked before
+        # the model runs). Vocabulary pieces past it would come out of plain text: another model's.
         pieces = self.tokenizer.backend.get_vocab_size(with_added_tokens=False)
         if pieces > text.vocab_size:
             raise ValueError(

@@ -156,6 +156,7 @@ def load_llm(args: argparse.Namespace):
             progress=not args.quiet,
             quantize=None if args.quantize == "none" else args.quantize,
             activations=None if args.activations == "float" else args.activations,
+            mmproj=args.mmproj,
         )
     if args.compile:
         from ..acceleration import compile

@@ -118,6 +118,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="checkpoint folder, hub repository id, .gguf file, or a named model (gemma3-270m)",
     )
     parser.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="llama.cpp's mmproj .gguf of the model's vision and audio towers, beside a .gguf --model",
+    )
+    parser.add_argument(
         "--dtype",
         type=parse_dtype,
         default=None,

@@ -33,7 +33,7 @@ from .safetensors import FLOAT_DTYPES, read_safetensors, safetensors_files, tens
 from .source import CheckpointError, auto_quantization, resolve_source
 
 if TYPE_CHECKING:
-    from .gguf import GGUFCheckpoint
+    from .gguf import GGUFCheckpoint, MultimodalGGUF
 
 DTYPES = {
     "float32": torch.float32,
@@ -85,6 +85,7 @@ def load(
     quantize: str | None = "auto",
     per_layer_table: str = "auto",
     activations: str | None = "auto",
+    mmproj: str | Path | None = None,
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -116,6 +117,9 @@ def load(
     ``per_layer_table`` (E2B/E4B): ``"host"`` keeps the per-layer-embedding table in host memory and
     moves only the rows each call reads (``torchgemma.placement``); ``"device"`` puts it with the rest;
     ``"auto"`` (the default) is ``"host"`` on CUDA, else ``"device"``.
+
+    ``mmproj`` (a GGUF model file): llama.cpp's mmproj file of its vision and audio towers, loaded
+    with it as one multimodal model (the towers dequantized into ``dtype``; weights/gguf/mmproj.py).
     """
     # The arguments are checked before any work (a hub id would be downloaded first).
     if per_layer_table not in ("auto", "host", "device"):
@@ -126,8 +130,10 @@ def load(
     requested = model_dtype(dtype)
     QuantizationPlan.check(quantize, activations)
     path = resolve_source(source)
+    if mmproj is not None and path.suffix != ".gguf":
+        raise ValueError(f"mmproj= goes with a .gguf model file (llama.cpp's layout); {path} is not one")
     with ExitStack() as stack:  # safetensors files stay mapped until the model is filled
-        checkpoint = _open(path, stack)
+        checkpoint = _open(path, stack, mmproj)
         # Every default and "auto" becomes a concrete choice here; what follows takes them as given.
         dtype = requested or checkpoint.dtype
         device = torch.device(device or "cpu")
@@ -157,14 +163,16 @@ class _Checkpoint:
     # (key, load, shape, stored dtype name) of every tensor, loads giving the given dtype (GGUF) or
     # the stored one (safetensors: the model's tensors cast as they are filled).
     tensors: Callable[[torch.dtype], list[tuple]]
-    gguf: GGUFCheckpoint | None = None  # a GGUF file: its dequantized tensors are fresh memory, adopted
+    gguf: GGUFCheckpoint | MultimodalGGUF | None = (
+        None  # a GGUF file: its dequantized tensors are fresh memory, adopted
+    )
 
 
-def _open(path: Path, stack: ExitStack) -> _Checkpoint:
-    """The config and tensor table of the checkpoint at ``path``, from file headers alone
-    (safetensors files are mapped until ``stack`` closes)."""
+def _open(path: Path, stack: ExitStack, mmproj: str | Path | None = None) -> _Checkpoint:
+    """The config and tensor table of the checkpoint at ``path`` (a GGUF file: with its ``mmproj``
+    file if given), from file headers alone (safetensors files are mapped until ``stack`` closes)."""
     if path.suffix == ".gguf":
-        return _open_gguf(path)
+        return _open_gguf(path, mmproj)
     config = ModelConfig.from_file(path)
     tensors = list(read_safetensors(safetensors_files(path), stack))
     check_tensor_table(config, {name: shape for name, _, shape, _ in tensors}, path)
@@ -173,18 +181,18 @@ def _open(path: Path, stack: ExitStack) -> _Checkpoint:
     return _Checkpoint(config, dtype, stored, lambda dtype: tensors)
 
 
-def _open_gguf(path: Path) -> _Checkpoint:
-    from .gguf import read_gguf
+def _open_gguf(path: Path, mmproj: str | Path | None) -> _Checkpoint:
+    from .gguf import read_gguf, read_gguf_with_mmproj
 
     # Shapes are checked in _build, against the meta model built there.
-    checkpoint = read_gguf(path, check_shapes=False)
+    if mmproj is None:
+        checkpoint = read_gguf(path, check_shapes=False)
+    else:
+        checkpoint = read_gguf_with_mmproj(path, mmproj, check_shapes=False)
     config = checkpoint.model_config
     names = checkpoint.tensor_names()
-    # The bar counts what is read: the quantized bytes of the GGUF tensor(s) behind each tensor
-    # (GGUFCheckpoint has no public accessor for them; _TensorInfo.n_bytes is the stored size).
-    stored = {
-        name: sum(checkpoint._gguf[s].n_bytes for s in checkpoint._entry(name).sources) for name in names
-    }
+    # The bar counts what is read: the quantized bytes of the GGUF tensor(s) behind each tensor.
+    stored = {name: checkpoint.stored_bytes(name) for name in names}
 
     def tensors(dtype: torch.dtype) -> list[tuple]:
         return [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]

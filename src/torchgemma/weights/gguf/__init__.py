@@ -16,6 +16,8 @@ file was converted from:
     names.py        GGUF tensor names -> Hugging Face names, per architecture
     metadata.py     GGUF metadata -> a Hugging Face config.json dict
     checkpoint.py   read_gguf / GGUFCheckpoint: what the loader calls
+    mmproj.py       a model GGUF with llama.cpp's mmproj file of its towers, as one checkpoint
+    mmproj_names.py mmproj tensor names -> Hugging Face names, one table per projector type
 
 Facts about llama.cpp's conventions come from its converter (``Gemma3Model`` / ``Gemma4Model`` in
 convert_hf_to_gguf), its loader (``llama_model::load_hparams``), the ``gguf`` package's tables and
@@ -25,6 +27,7 @@ transformers' GGUF integration; each use is commented where it is made.
 from .blocks import INT_TYPES, SUPPORTED_TYPES, GroupedInts, dequantize, grouped_ints
 from .checkpoint import GGUFCheckpoint, read_gguf
 from .metadata import _gemma3_config, _gemma4_config, _sparsity
+from .mmproj import MmprojFile, MultimodalGGUF, read_gguf_with_mmproj
 from .names import SUPPORTED_ARCHITECTURES
 from .reader import GGUFError, _GGUFFile, check_metadata_types, read_gguf_metadata
 
@@ -33,6 +36,8 @@ __all__ = [
     "GGUFError",
     "GroupedInts",
     "INT_TYPES",
+    "MmprojFile",
+    "MultimodalGGUF",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "check_metadata_types",
@@ -40,6 +45,7 @@ __all__ = [
     "grouped_ints",
     "read_gguf",
     "read_gguf_metadata",
+    "read_gguf_with_mmproj",
     # internals tests call directly
     "_GGUFFile",
     "_gemma3_config",

@@ -61,6 +61,10 @@ class GGUFCheckpoint:
         shape = hf_shape([self._gguf[s] for s in entry.sources])
         return shape if entry.part is None else shape[1:]
 
+    def stored_bytes(self, hf_name: str) -> int:
+        """The bytes the file stores for one tensor (what a loading progress bar counts)."""
+        return sum(self._gguf[s].n_bytes for s in self._entry(hf_name).sources)
+
     def gguf_types(self) -> dict[str, str]:
         """The GGML type each Hugging Face tensor is stored in (e.g. ``{"model.norm.weight": "F32"}``)."""
         return {e.hf_name: "+".join(self._gguf[s].type_name for s in e.sources) for e in self._entries}
@@ -170,17 +174,18 @@ class GGUFCheckpoint:
                         f"reader cannot dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
                     )
 
-    def check_shapes(self, model: torch.nn.Module | None = None) -> None:
+    def check_shapes(self, model: torch.nn.Module | None = None, only: str = "") -> None:
         """Every tensor against ``model``: by default the model ``model_config`` builds, made on the
         meta device (no memory, no weights), as the loader checks a checkpoint: one model definition.
-        The loader passes the meta model it builds anyway, so that one is built once."""
+        The loader passes the meta model it builds anyway, so that one is built once. ``only``: the
+        module paths this file must cover start with it (an mmproj file covers the others)."""
         config = self.model_config
         if model is None:
             from ...model import Gemma
 
             with torch.device("meta"):
                 model = Gemma(config)
-        expected = _model_shapes(model)
+        expected = {p: s for p, s in _model_shapes(model).items() if p.startswith(only)}
         problems = []
         covered = set()
         for entry in self._entries:
@@ -218,11 +223,14 @@ def read_gguf(path: str | Path, *, check_shapes: bool = True) -> GGUFCheckpoint:
     than gemma3/gemma3n/gemma4, or whose tensors disagree with its metadata; ``ConfigError`` (also a
     ``ValueError``, naming the file) when its metadata describes a model torchgemma cannot build.
     ``check_shapes=False`` leaves the tensor shapes to the caller (``GGUFCheckpoint.check_shapes``).
+    A model with llama.cpp's mmproj file of its towers: ``read_gguf_with_mmproj`` (mmproj.py).
     """
     file = _GGUFFile(Path(path))
     arch = file.metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
+        hint = " (an mmproj file: pass it as mmproj=, beside the model's GGUF)" if arch == "clip" else ""
         raise GGUFError(
             f"{file.name} has architecture {arch!r}; read_gguf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            + hint
         )
     return GGUFCheckpoint(file, check_shapes=check_shapes)
