@@ -1,0 +1,152 @@
+"""Tiny random Gemma 4 MTP drafters ("assistants") built with transformers, each beside a tiny target.
+
+A drafter's config follows its target's (checkpoints.py): the same vocabulary, the target's hidden
+size as ``backbone_hidden_size``, and per attention type the head geometry and RoPE of the target
+layers it reads. transformers 5.23 cannot build a drafter as released: ``Gemma4TextConfig.
+kv_sharing_modes`` raises when every layer is KV-shared (the case of every drafter), so
+``drafters_buildable`` gives the all-shared config the modes its modeling code expects ("reuse" for
+every layer) for as long as a test runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from checkpoints import COMMON, FULL, SLIDING, STYLES, UNIFIED_STYLES, randomize_
+
+# The drafter's own decoder: narrower than the target, two or three layers.
+DRAFTER = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, head_dim=16, global_head_dim=32)
+# E2B/E4B's centroid head, at this vocabulary (300 tokens in 10 clusters of 30; the top 3 scored).
+CENTROIDS = dict(use_ordered_embeddings=True, num_centroids=10, centroid_intermediate_top_k=3)
+
+
+@contextlib.contextmanager
+def drafters_buildable():
+    """transformers 5.23's text configs with every layer KV-shared give every layer the mode "reuse"
+    (as released they raise)."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
+
+    saved = {cls: cls.__dict__["kv_sharing_modes"] for cls in (Gemma4TextConfig, Gemma4UnifiedTextConfig)}
+
+    def patched(original):
+        def modes(self):
+            if self.num_kv_shared_layers == self.num_hidden_layers:
+                return ["reuse"] * self.num_hidden_layers
+            return original.fget(self)
+
+        return property(modes)
+
+    try:
+        for cls, original in saved.items():
+            cls.kv_sharing_modes = patched(original)
+        yield
+    finally:
+        for cls, original in saved.items():
+            cls.kv_sharing_modes = original
+
+
+def target_fields(style: str, unified: bool = False) -> dict:
+    return {**COMMON, **(UNIFIED_STYLES if unified else STYLES)[style]}
+
+
+def drafter_text_fields(style: str, unified: bool = False, layer_types=(SLIDING, SLIDING, FULL)) -> dict:
+    """The drafter's text config for a target of ``style``: the target's KV geometry and window."""
+    target = target_fields(style, unified)
+    fields = {
+        **DRAFTER,
+        "vocab_size": target["vocab_size"],
+        "sliding_window": target["sliding_window"],
+        "num_key_value_heads": target["num_key_value_heads"],
+        "num_hidden_layers": len(layer_types),
+        "layer_types": list(layer_types),
+        "max_position_embeddings": target["max_position_embeddings"],
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": target["eos_token_id"],
+    }
+    if target.get("attention_k_eq_v"):
+        # The target's full layers have their own KV-head count (K=V): so do the drafter's.
+        fields.update(attention_k_eq_v=True, num_global_key_value_heads=target["num_global_key_value_heads"])
+    if not unified:
+        fields.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    return fields
+
+
+def build_target(folder: Path, style: str, *, unified: bool = False, seed: int = 0, dtype=torch.float32):
+    """``gemma4_text`` / ``gemma4_unified_text`` target of ``style``."""
+    from transformers import (
+        Gemma4ForCausalLM,
+        Gemma4TextConfig,
+        Gemma4UnifiedForCausalLM,
+        Gemma4UnifiedTextConfig,
+    )
+
+    torch.manual_seed(seed)
+    config_class, model_class = (
+        (Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM)
+        if unified
+        else (Gemma4TextConfig, Gemma4ForCausalLM)
+    )
+    model = model_class(config_class(**target_fields(style, unified))).to(dtype)
+    randomize_(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def build_drafter(
+    folder: Path,
+    style: str,
+    *,
+    unified: bool = False,
+    ordered: bool = False,
+    seed: int = 1,
+    dtype=torch.float32,
+    text_overrides: dict | None = None,
+    **top_level,
+):
+    """A ``gemma4_assistant`` (``gemma4_unified_assistant``) drafter for a target of ``style``;
+    ``ordered``: with the centroid head (a random token ordering)."""
+    from transformers import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+        Gemma4TextConfig,
+        Gemma4UnifiedAssistantConfig,
+        Gemma4UnifiedAssistantForCausalLM,
+        Gemma4UnifiedTextConfig,
+    )
+
+    text_fields = {**drafter_text_fields(style, unified), **(text_overrides or {})}
+    fields = {"backbone_hidden_size": COMMON["hidden_size"], **(CENTROIDS if ordered else {}), **top_level}
+    with drafters_buildable():
+        if unified:
+            config = Gemma4UnifiedAssistantConfig(
+                text_config=Gemma4UnifiedTextConfig(**text_fields), **fields
+            )
+            model_class = Gemma4UnifiedAssistantForCausalLM
+        else:
+            config = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text_fields), **fields)
+            model_class = Gemma4AssistantForCausalLM
+        torch.manual_seed(seed)
+        model = model_class(config).to(dtype)
+        randomize_(model, seed)
+        if ordered:
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                model.masked_embedding.token_ordering.copy_(
+                    torch.randperm(COMMON["vocab_size"], generator=gen)
+                )
+        model.save_pretrained(folder)
+    return folder
+
+
+def reference_drafter(folder: Path, dtype=torch.float32):
+    """transformers' drafter of a saved checkpoint, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    with drafters_buildable():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    return model.eval()
