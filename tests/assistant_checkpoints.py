@@ -150,3 +150,89 @@ def reference_drafter(folder: Path, dtype=torch.float32):
     with drafters_buildable():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+# llama.cpp's names for a drafter's tensors (gguf.constants / tensor_mapping), written independently
+# of torchgemma.weights.gguf.
+_GGUF_GLOBALS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "pre_projection.weight": "nextn.pre_projection.weight",
+    "post_projection.weight": "nextn.post_projection.weight",
+    "masked_embedding.centroids.weight": "masked_embd_centroids.weight",
+    "masked_embedding.token_ordering": "masked_embd_ordering",
+}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+
+
+def write_drafter_gguf(path: Path, folder: Path, *, centroids: bool = False) -> Path:
+    """The drafter at ``folder`` as llama.cpp's converter writes it (``Gemma4AssistantModel``):
+    arch ``gemma4-assistant``, float32 tensors under llama.cpp's names, the tied head not written,
+    ``rope_freqs`` for the full layers' proportional RoPE. Its converter drops the centroid head;
+    ``centroids=True`` writes it anyway (a reader must skip it, as llama.cpp's graph ignores it)."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    writer = GGUFWriter(str(path), "gemma4-assistant")
+    n_layers = text["num_hidden_layers"]
+    swa = [t == SLIDING for t in text["layer_types"]]
+    writer.add_context_length(text["max_position_embeddings"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_block_count(n_layers)
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    writer.add_sliding_window(text["sliding_window"])
+    rope = text["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    full_kv = text["per_layer_config"][str(swa.index(False))].get("num_key_value_heads")
+    if full_kv is not None:
+        writer.add_head_count_kv([text["num_key_value_heads"] if s else full_kv for s in swa])
+    else:
+        writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_shared_kv_layers(n_layers)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_sliding_window_pattern(swa)
+    global_head_dim = text["per_layer_config"][str(swa.index(False))]["head_dim"]
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(text["head_dim"])
+    writer.add_value_length_swa(text["head_dim"])
+    writer.add_embedding_length_out(config["backbone_hidden_size"])
+    writer.add_nextn_predict_layers(n_layers)
+    for hf_name, value in load_file(folder / "model.safetensors").items():
+        if hf_name == "lm_head.weight" or (hf_name.startswith("masked_embedding.") and not centroids):
+            continue
+        if hf_name.startswith("model.layers."):
+            _, _, layer, rest = hf_name.split(".", 3)
+            name = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        else:
+            name = _GGUF_GLOBALS[hf_name]
+        array = value.numpy() if not value.is_floating_point() else value.float().numpy()
+        writer.add_tensor(name, array.astype(np.int32) if array.dtype == np.int64 else array)
+    n_rot = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * n_rot + [1e30] * (global_head_dim // 2 - n_rot)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

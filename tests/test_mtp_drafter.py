@@ -338,3 +338,44 @@ def test_drafter_must_fit_its_target(folders, tmp_path):
     bf16 = load_assistant(e2b_drafter, dtype=torch.bfloat16)
     with pytest.raises(DrafterMismatch, match="load them in one dtype"):
         MTPDrafter(target, bf16)
+
+
+# ── GGUF ──────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_gguf_drafter(folders, tmp_path):
+    """llama.cpp's gemma4-assistant file: the same weights as the folder it was converted from, the
+    centroid head skipped (llama.cpp's graph scores the whole vocabulary), so logits and drafts are
+    transformers' drafter's with its plain head."""
+    from gguf import GGUFWriter
+
+    from assistant_checkpoints import write_drafter_gguf
+    from torchgemma.weights.gguf import GGUFError
+
+    target_dir, drafter_dir = folders("e2b-centroids")
+    path = write_drafter_gguf(tmp_path / "drafter.gguf", drafter_dir, centroids=True)
+    target = torchgemma.load(target_dir, attention="eager")
+    drafter = load_drafter(path, target)
+    assert not drafter.drafter.config.use_ordered_embeddings
+    folder = load_assistant(drafter_dir).state_dict()
+    ours = drafter.drafter.state_dict()
+    assert set(folder) - set(ours) == {"masked_embedding.centroids.weight", "masked_embedding.token_ordering"}
+    assert all(torch.equal(ours[name], folder[name]) for name in ours)
+
+    ref_target, ref_drafter = reference_model(target_dir), reference_drafter(drafter_dir)
+    ref_drafter.config.use_ordered_embeddings = False  # as llama.cpp runs the file: the tied head
+    rows = [prompt(length, seed=length) for length in (4, 13)]
+    cache, hidden = prefill(target, rows, drafter)
+    expected = [transformers_drafts(ref_target, ref_drafter, row, 3) for row in rows]
+    assert drafter.propose(requests(rows, hidden, 3), cache) == expected
+
+    writer = GGUFWriter(str(tmp_path / "model.gguf"), "gemma4")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        GGUFError, match="architecture 'gemma4'; an MTP drafter's GGUF file is 'gemma4-assistant'"
+    ):
+        load_assistant(tmp_path / "model.gguf")

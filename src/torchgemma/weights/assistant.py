@@ -35,8 +35,10 @@ def load_assistant(
     if path.suffix == ".gguf":
         from .gguf.assistant import read_assistant_gguf
 
-        config, tensors = read_assistant_gguf(path)
-        return _build(config, tensors, requested or torch.float32, device, attention, path)
+        # GGUF blocks are dequantized into float32 unless another dtype is asked for.
+        dtype = requested or torch.float32
+        config, tensors, _ = read_assistant_gguf(path, dtype)
+        return _build(config, tensors, dtype, device, attention, path)
     with ExitStack() as stack:  # the safetensors files stay mapped until the model is filled
         config = AssistantConfig.from_file(path)
         tensors = list(read_safetensors(safetensors_files(path), stack))
