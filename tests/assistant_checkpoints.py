@@ -143,12 +143,12 @@ def build_drafter(
     return folder
 
 
-def reference_drafter(folder: Path, dtype=torch.float32):
-    """transformers' drafter of a saved checkpoint, eager attention."""
+def reference_drafter(folder: Path, dtype=torch.float32, attention: str = "eager"):
+    """transformers' drafter of a saved checkpoint (eager attention unless told otherwise)."""
     from transformers import AutoModelForCausalLM
 
     with drafters_buildable():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention)
     return model.eval()
 
 

@@ -124,11 +124,27 @@ DRAFTS_DEFAULT = {("e2b-centroids", "bf16"), ("unified-kv-shared-centroids", "fp
 
 @pytest.mark.parametrize(("name", "dtype"), cases(PAIRS, LOGITS_DEFAULT))
 def test_step_logits_match_transformers(folders, name, dtype):
-    """Three drafting steps on the same inputs: logits and the projected state fed back."""
+    """Three drafting steps on the same inputs: logits and the projected state fed back (eager
+    attention, as transformers' eager)."""
+    check_steps(folders, name, dtype, "eager")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("e2b-centroids", torch.bfloat16), ("31b", torch.float32)],
+    ids=["e2b-bf16", "31b-fp32"],
+)
+def test_step_logits_match_transformers_sdpa(folders, name, dtype):
+    """The default attention backend against transformers' sdpa drafter."""
+    check_steps(folders, name, dtype, "sdpa")
+
+
+def check_steps(folders, name: str, dtype: torch.dtype, attention: str) -> None:
     target_dir, drafter_dir = folders(name)
-    target = torchgemma.load(target_dir, dtype=dtype, attention="eager")
+    target = torchgemma.load(target_dir, dtype=dtype, attention=attention)
     drafter = load_drafter(drafter_dir, target)
-    ref = reference_drafter(drafter_dir, dtype)
+    assert drafter.drafter.model.attention == attention
+    ref = reference_drafter(drafter_dir, dtype, attention)
     tokens = prompt(12, seed=3)  # past the sliding window: its ring has wrapped
     cache, hidden = prefill(target, [tokens], drafter)
     length = len(tokens) - 1
@@ -379,3 +395,48 @@ def test_gguf_drafter(folders, tmp_path):
         GGUFError, match="architecture 'gemma4'; an MTP drafter's GGUF file is 'gemma4-assistant'"
     ):
         load_assistant(tmp_path / "model.gguf")
+
+
+# ── the target's keys, read from its cache ────────────────────────────────────────────────────
+
+
+def test_layer_keys_read_the_cache_in_place(folders):
+    """Full layers as views of the buffer; a sliding ring in position order across its wrap, as
+    ``KVCache.read`` copies them; positions a rollback cannot bring back refused."""
+    target_dir, _ = folders("e2b-centroids")
+    target = torchgemma.load(target_dir, attention="eager")
+    text = target.config.text
+    cache = KVCache(text, 2, 64, max_rollback=2, dtype=target.dtype)
+    with torch.no_grad():
+        target.language_model(torch.tensor([prompt(13, seed=1)]), cache=cache, slots=[1])
+    full = next(i for i, s in enumerate(text.layers) if s.kv_role != "reuse" and not s.is_sliding)
+    sliding = next(i for i, s in enumerate(text.layers) if s.kv_role != "reuse" and s.is_sliding)
+    copies = cache.read(1, 7, 13)
+    keys, values = cache.layer_keys(1, full, 0, 13)
+    assert keys.data_ptr() == cache.layers[full].keys[1].data_ptr()  # a view: nothing copied
+    assert torch.equal(keys[0, :, 7:], copies[full][0]) and torch.equal(values[0, :, 7:], copies[full][1])
+    keys, values = cache.layer_keys(1, sliding, 7, 13)  # the ring (6 columns) wraps inside these
+    assert torch.equal(keys[0], copies[sliding][0]) and torch.equal(values[0], copies[sliding][1])
+    cache.rollback(1, 2)
+    with pytest.raises(
+        ValueError, match="hold positions 7 on .*position 6 is gone: make the cache with a larger min_ring"
+    ):
+        cache.layer_keys(1, sliding, 6, 11)
+    with pytest.raises(ValueError, match="is KV-shared"):
+        cache.layer_keys(1, text.num_hidden_layers - 1, 0, 5)
+
+
+def test_load_drafter_from_a_hub_id(folders, monkeypatch):
+    target_dir, drafter_dir = folders("e4b")
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        calls.append(repo_id)
+        return str(drafter_dir)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    drafter = load_drafter("google/gemma-4-tiny-assistant", torchgemma.load(target_dir))
+    assert calls == ["google/gemma-4-tiny-assistant"]
+    assert drafter.drafter.config.model_type == "gemma4_assistant"
