@@ -236,3 +236,33 @@ def write_drafter_gguf(path: Path, folder: Path, *, centroids: bool = False) -> 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def make_echo_pair(target: Path, drafter: Path, embed_scale: float = 0.5, seed: int = 0) -> None:
+    """Rewrite a built pair so that drafts are often, not always, accepted (random drafters almost
+    never are, which leaves a speculative engine's accepting paths untried).
+
+    The target's tied embeddings are scaled up, so that its tokens tend to repeat (at 0.5 on the
+    E2B style: runs of repeats broken now and then); the drafter echoes the token it reads: its
+    pre_projection keeps an orthonormal projection A of the target's token embedding (the hidden
+    state's half zeroed), its own table is the target's table times A^T (so the echoed token scores
+    highest), and its layers' output projections are nearly silenced."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(target / "model.safetensors")
+    table = weights["model.embed_tokens.weight"] * embed_scale
+    weights["model.embed_tokens.weight"] = table
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+
+    own = load_file(drafter / "model.safetensors")
+    width, backbone = own["pre_projection.weight"].shape[0], table.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    projection = torch.linalg.qr(torch.randn(backbone, width, generator=gen))[0].T  # (width, backbone)
+    own["pre_projection.weight"] = torch.cat([projection, torch.zeros(width, backbone)], dim=1)
+    own["model.embed_tokens.weight"] = table @ projection.T
+    for name in own:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            own[name] = own[name] * 0.01
+        elif name.endswith("layer_scalar"):
+            own[name] = torch.ones_like(own[name])
+    save_file(own, drafter / "model.safetensors", metadata={"format": "pt"})
