@@ -117,11 +117,7 @@ class Assistant(nn.Module):
     def head(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) of final-normed states: not soft-capped (the reference's drafter is not)."""
         text = self.model
-        table = text.embed_tokens.weight if self.config.text.tie_word_embeddings else text.lm_head.weight
+        tied = self.config.text.tie_word_embeddings
         if self.config.use_ordered_embeddings:
-            return self.masked_embedding(normed, table)
-        return (
-            text.embed_tokens.as_linear(normed)
-            if self.config.text.tie_word_embeddings
-            else text.lm_head(normed)
-        )
+            return self.masked_embedding(normed, text.embed_tokens.weight if tied else text.lm_head.weight)
+        return text.embed_tokens.as_linear(normed) if tied else text.lm_head(normed)
