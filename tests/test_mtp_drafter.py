@@ -473,3 +473,34 @@ def test_generate_with_mtp_equals_without(tmp_path, dtype):
         assert out == plain
         if dtype == torch.float32:  # (bf16 on a tiny model may draft nothing: batch invariance first)
             assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_quantized_target_and_drafter(folders):
+    """An int8 target (its embedding table quantized too) and an int8 drafter (``torchgemma.quantize``,
+    centroid head included: its rows come dequantized from the quantized table): they draft, and
+    the drafter's logits stay near the full-precision drafter's on the same inputs."""
+    target_dir, drafter_dir = folders("e2b-centroids")
+    target = torchgemma.load(target_dir, quantize="int8")
+    full = load_drafter(drafter_dir, target)
+    quantized = load_drafter(torchgemma.quantize(load_assistant(drafter_dir), "int8"), target)
+    assert type(quantized.drafter.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    rows = [prompt(length, seed=length) for length in (4, 13)]
+    cache, hidden = prefill(target, rows, full)
+    drafts = quantized.propose(requests(rows, hidden, 4), cache)
+    assert [len(d) for d in drafts] == [4, 4] and all(0 <= t < 300 for d in drafts for t in d)
+    length = len(rows[1]) - 1
+    starts = {"sliding_attention": length - WINDOW - 1, "full_attention": 0}
+    target_kv = {
+        kind: cache.layer_keys(1, layer, starts[kind], length) for kind, layer in full.sources.items()
+    }
+    args = (
+        target.language_model.embed(torch.tensor([[rows[1][-1]]])),
+        hidden[1].view(1, 1, -1),
+        torch.tensor([[length]]),
+    )
+    with torch.no_grad():
+        ours, _ = quantized.drafter.step(*args, target_kv)
+        ref, _ = full.drafter.step(*args, target_kv)
+    scored = ref > ref.min()  # the tokens both centroid heads scored (same clusters here)
+    assert torch.equal(ours > ours.min(), scored)
+    assert (ours[scored] - ref[scored]).abs().max() < 0.02 * ref[scored].abs().max()

@@ -16,6 +16,8 @@ choice follows transformers 5.23 (``models/gemma4_assistant/modeling_gemma4_assi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -41,13 +43,14 @@ class MaskedEmbedder(nn.Module):
         self.centroids = nn.Linear(config.text.hidden_size, config.num_centroids, bias=False)
         self.register_buffer("token_ordering", torch.empty(vocab, dtype=torch.long))
 
-    def forward(self, hidden: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """hidden (B, T, H), the head's table (V, H) -> logits (B, T, V)."""
+    def forward(self, hidden: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden (B, T, H) -> logits (B, T, V); ``rows_of(ids)``: the head's rows (..., H) of token ids
+        (an embedding lookup: a quantized table gives them dequantized)."""
         batch, length, width = hidden.shape
         _, top = torch.topk(self.centroids(hidden), k=self.top_k, dim=-1)  # (B, T, k)
         clusters = self.token_ordering.view(self.num_centroids, -1)  # (C, V / C)
         tokens = clusters[top].reshape(batch, length, -1)  # (B, T, k * V / C)
-        rows = table[tokens.reshape(-1)].view(batch, length, -1, width)
+        rows = rows_of(tokens.reshape(-1)).view(batch, length, -1, width)
         # One (1, H) x (H, k * V / C) product per position, as the reference computes them.
         selected = (hidden.unsqueeze(-2) @ rows.transpose(-1, -2)).squeeze(-2)
         # The reference fills with the minimum over the whole call; per row here, so that a
@@ -119,5 +122,7 @@ class Assistant(nn.Module):
         text = self.model
         tied = self.config.text.tie_word_embeddings
         if self.config.use_ordered_embeddings:
-            return self.masked_embedding(normed, text.embed_tokens.weight if tied else text.lm_head.weight)
+            return self.masked_embedding(
+                normed, text.embed_tokens if tied else lambda ids: text.lm_head.weight[ids]
+            )
         return text.embed_tokens.as_linear(normed) if tied else text.lm_head(normed)
