@@ -11,6 +11,12 @@ its token and its projected state, the query held at the same position: transfor
 
 The target's keys are read from its cache as views where the layout allows (``KVCache.layer_keys``),
 once per drafting round; the drafter has no cache of its own.
+
+One difference from transformers' ``generate``: after a verification that rejected drafts, it hands
+its drafter the keys its target computed in that pass, cut to the new length, so the drafter also
+attends to the key of the first rejected draft (at the position of the token it reads; on sliding
+layers, to every rejected one). Here the drafter reads only what the target accepted: the state
+transformers' candidate generator sees after a prefill, which is what the tests compare with.
 """
 
 from __future__ import annotations
