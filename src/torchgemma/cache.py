@@ -366,6 +366,38 @@ class KVCache:
                 out.append((layer.keys[slot, :, start:end].clone(), layer.values[slot, :, start:end].clone()))
         return out
 
+    def layer_keys(self, slot: int, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values of slot ``slot`` at positions ``[start, end)``, (1, Hkv,
+        n, D) each, uncopied where they can be: a view of a full layer's buffer, a sliding ring's
+        columns in position order (one slice, or two joined). A ring holds the positions from its
+        slot's longest length less ``ring`` on: a rollback does not bring back what later tokens
+        overwrote. (The MTP drafter reads the target's last layers so, once per drafting round.)"""
+        self._check_slot(slot)
+        cache = self.layers[layer]
+        if cache is None:
+            raise ValueError(f"layer {layer} is KV-shared: it holds no keys of its own")
+        if not 0 <= start <= end <= self.lengths[slot]:
+            raise ValueError(
+                f"slot {slot} holds {self.lengths[slot]} tokens; cannot read positions [{start}, {end})"
+            )
+        if isinstance(cache, FullLayerCache):
+            rows = slice(slot, slot + 1)
+            return cache.keys[rows, :, start:end], cache.values[rows, :, start:end]
+        oldest = self._high_water[slot] - cache.ring
+        if start < oldest:
+            raise ValueError(
+                f"slot {slot}'s sliding layers hold positions {oldest} on (a ring of {cache.ring}); "
+                f"position {start} is gone: make the cache with a larger min_ring"
+            )
+        first = start % cache.ring
+        spans = [(first, min(first + end - start, cache.ring)), (0, max(first + end - start - cache.ring, 0))]
+        parts = [
+            (cache.keys[slot : slot + 1, :, a:b], cache.values[slot : slot + 1, :, a:b]) for a, b in spans
+        ]
+        if spans[1][1] == 0:
+            return parts[0]
+        return torch.cat([parts[0][0], parts[1][0]], dim=2), torch.cat([parts[0][1], parts[1][1]], dim=2)
+
     def load_prefix(
         self, slot: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor] | None], length: int
     ) -> None:

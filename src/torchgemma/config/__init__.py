@@ -6,6 +6,7 @@ hf.py              reading config.json: the one place that knows its key names a
 gemma4.py, gemma4_unified.py, gemma3.py, gemma3n.py
                    each family's field rules and checkpoint-name rules
 limits.py          the largest sizes and the number rules a config.json must keep
+assistant.py       AssistantConfig: an MTP drafter's (gemma4_assistant, gemma4_unified_assistant)
 """
 
 from .gemma4 import _audio_config_from_hf, _vision_config_from_hf

@@ -4,6 +4,7 @@
     safetensors.py   a folder's safetensors files, memory-mapped
     gguf.py          GGUF files: metadata, tensors dequantized, llama.cpp names -> Hugging Face names
     loading.py       ``load``: build the model, sanitize names, copy strictly
+    assistant.py     ``load_assistant``: an MTP drafter (gemma4_assistant), as strictly
 
 Only ``source`` is imported here: the tokenizer resolves checkpoints without loading a model.
 """
