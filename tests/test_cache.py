@@ -287,7 +287,9 @@ def test_read_refuses_positions_a_ring_lost_before_a_rollback(text_checkpoints):
         model(torch.arange(3, 13)[None], cache=cache)  # positions 0..9: the rings hold 3..9
     cache.rollback(0, 2)  # length 8; positions 8 and 9 are still in the rings
     assert len(cache.read(0, 3, 8)) == len(cache.layers)
-    with pytest.raises(ValueError, match=r"hold its last 7 positions written \(3 to 10\); position 2 is gone"):
+    with pytest.raises(
+        ValueError, match=r"hold its last 7 positions written \(3 to 10\); position 2 is gone"
+    ):
         cache.read(0, 2, 8)
 
 
