@@ -20,7 +20,7 @@ LAYERS = [
     ["config", "notices"],
     ["kernels"],
     ["cache", "model"],
-    ["placement", "quantization", "acceleration", "weights"],
+    ["distributed", "placement", "quantization", "acceleration", "weights"],
     ["tokenizer", "replies"],
     ["processing", "generation", "reference"],
     ["embedding", "embedding_media", "info", "debug", "llm"],

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..distributed import ShardPlan, build_sharded, connect, init_group, shard_source
 from ..model import Gemma
 from ..model.attention import ATTENTION_BACKENDS
 from ..model.text import check_experts
@@ -86,6 +87,8 @@ def load(
     per_layer_table: str = "auto",
     activations: str | None = "auto",
     mmproj: str | Path | None = None,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -120,6 +123,12 @@ def load(
 
     ``mmproj`` (a GGUF model file): llama.cpp's mmproj file of its vision and audio towers, loaded
     with it as one multimodal model (the towers dequantized into ``dtype``; weights/gguf/mmproj.py).
+
+    ``tensor_parallel_size`` N > 1: this process loads its share of a text decoder split over the N
+    processes of a process group (``torchgemma.distributed``; set up from torchrun's environment when
+    none exists), reading only its slices of the checkpoint; every process must call ``load`` alike
+    and then run the same forward calls. ``expert_parallel`` (26B-A4B): whole experts per process
+    instead of a slice of every expert.
     """
     # The arguments are checked before any work (a hub id would be downloaded first).
     if per_layer_table not in ("auto", "host", "device"):
@@ -146,8 +155,14 @@ def load(
             gguf=checkpoint.gguf,
             device=device,
         )
+        shards = None
+        if tensor_parallel_size > 1 or expert_parallel:
+            rank, device = init_group(tensor_parallel_size, device)
+            if checkpoint.config.quantization is not None:
+                raise ValueError(f"{path} was saved quantized: load its float checkpoint to split it")
+            shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel)
         model = _build(
-            checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None
+            checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None, shards
         )
         model.language_model.set_experts(experts)
         return model
@@ -209,18 +224,26 @@ def _build(
     attention: str,
     host_table: bool,
     label: str | None,
+    shards: ShardPlan | None = None,
 ) -> Gemma:
     """The model of ``checkpoint``, built once in ``dtype`` on ``device``, quantized as ``plan``
     says, its text decoder attending with ``attention``; ``host_table``: the per-layer-embedding
-    table kept in host memory; ``label`` names the progress bar (None: no bar)."""
+    table kept in host memory; ``label`` names the progress bar (None: no bar); ``shards``: this
+    rank's share of a tensor-parallel model (None: the whole model)."""
     config = checkpoint.config
     with torch.device("meta"):
         model = Gemma(config, attention).to(dtype=dtype)
     if checkpoint.gguf is not None:
         checkpoint.gguf.check_shapes(model)  # read_gguf's own check, on this meta model
+    source = checkpoint.tensors(dtype)
+    if shards is not None:  # the whole model checked, then the rank's share built and read
+        match_tensors(model, config, source)
+        with torch.device("meta"):
+            model = build_sharded(config, shards, attention).to(dtype=dtype)
+        source = shard_source(source, shards, config.module_path)
     plan.prepare(model, dtype)
     # Every missing, unexpected or mis-shaped tensor is found on the meta model, before allocating.
-    loads = match_tensors(model, config, checkpoint.tensors(dtype))
+    loads = match_tensors(model, config, source)
     loads = plan.assign(model, loads, dtype)
     if host_table:
         offload_per_layer_table(model)  # on the meta model: the table is then allocated on the host
@@ -232,6 +255,8 @@ def _build(
     with _progress(sum(stored[key] for _, key, _ in loads), label) as bar:
         fill(model, loads, lambda key: bar.update(stored[key]), adopt=checkpoint.gguf is not None)
     plan.apply(model)
+    if shards is not None:
+        connect(model)
     release_freed_memory()
     return model.eval()
 

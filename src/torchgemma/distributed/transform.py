@@ -1,0 +1,236 @@
+"""A built model made into one rank's share of a tensor-parallel model (``plan.py`` says which share).
+
+Two steps, around loading:
+
+* ``shard_model`` (on the meta model, before the checkpoint is matched): the text decoder is built
+  from the rank's ``local_text`` config (its heads, KV heads and MLP widths), and the vocabulary
+  tables and expert stacks are replaced by the rank's rows. Module names stay the checkpoint's, so
+  the loader fills the rank's slices by the usual names.
+* ``connect`` (on the filled model): the collectives. The model code itself is unchanged; what is
+  added is where a partial result must be summed or gathered:
+
+  - attention: each rank's o_proj sums over its heads only: one all-reduce of the attention
+    output, before ``post_attention_layernorm`` (a forward hook on ``self_attn``);
+  - dense MLP: down_proj sums over the rank's features: one all-reduce of the MLP output;
+  - mixture of experts (26B-A4B): the dense MLP and the experts each end in their own norm
+    (``post_feedforward_layernorm_1`` / ``_2``) before they are added, and an RMSNorm of a partial
+    sum is not the partial of the norm: the two are reduced separately, two all-reduces in an MoE
+    layer (what transformers' plan does too). Tensor-parallel experts are reduced in the model
+    dtype, like the MLP; expert-parallel ones (``ExpertShard``) in float32, before the single
+    rounding the reference makes;
+  - token table (and PLE table): each rank looks up the ids in its rows, zeros for the others, and
+    an all-reduce sums them (adding zeros is exact: the same bits as one table);
+  - LM head: each rank's logits for its rows, all-gathered (``logits``) or reduced to a greedy
+    token by an all-gather of each rank's best value and id (``argmax``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model import Gemma
+from ..model.layers import gelu_tanh
+from ..model.text import Experts, _embedding, expert_linear
+from .plan import ShardPlan
+
+
+def build_sharded(config, plan: ShardPlan, attention: str) -> Gemma:
+    """The rank's model for ``config`` on the current (meta) device: ``Gemma`` built from the
+    rank's text config, then ``shard_model``."""
+    model = Gemma(replace(config, text=plan.local_text()), attention)
+    return shard_model(model, plan)
+
+
+def shard_model(model: Gemma, plan: ShardPlan) -> Gemma:
+    """Replace the vocabulary tables and (expert parallel) the expert stacks of a model built from
+    ``plan.local_text()`` by the rank's rows; the model records its plan as ``model.shard_plan``."""
+    text = model.language_model
+    hidden = text.config.hidden_size
+    first, end = plan.vocab
+    text.embed_tokens = _embedding(end - first, hidden)
+    if hasattr(text, "lm_head"):
+        text.lm_head = nn.Linear(hidden, end - first, bias=False)
+    if plan.per_layer_vocab is not None:
+        first, end = plan.per_layer_vocab
+        text.embed_tokens_per_layer = _embedding(end - first, text.embed_tokens_per_layer.embedding_dim)
+    if plan.experts is not None:
+        for layer in text.layers:
+            if layer.spec.moe:
+                layer.experts = ExpertShard(text.config, *plan.experts, layer.experts.implementation)
+    model.shard_plan = plan
+    return model
+
+
+def connect(model: Gemma, group: dist.ProcessGroup | None = None) -> Gemma:
+    """Add the collectives (see the module docstring) to a filled ``shard_model`` model, over
+    ``group`` (None: the default group)."""
+    plan: ShardPlan = model.shard_plan
+    text = model.language_model
+    reduce = partial(_all_reduce_output, group=group)
+    text.embed_tokens = VocabShard(text.embed_tokens, plan.vocab, plan.text.vocab_size, group)
+    if hasattr(text, "lm_head"):
+        text.lm_head = VocabShardHead(text.lm_head, plan.vocab, plan.text.vocab_size, group)
+    if plan.per_layer_vocab is not None:
+        text.embed_tokens_per_layer = VocabShard(
+            text.embed_tokens_per_layer, plan.per_layer_vocab, plan.text.vocab_size_per_layer_input, group
+        )
+    for layer in text.layers:
+        layer.self_attn.register_forward_hook(reduce)
+        layer.mlp.register_forward_hook(reduce)
+        if layer.spec.moe:
+            if isinstance(layer.experts, ExpertShard):
+                layer.experts.group = group  # reduces in float32 itself
+            else:
+                layer.experts.register_forward_hook(reduce)
+    model.process_group = group
+    return model
+
+
+def _all_reduce_output(module, args, output: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(output, group=group)
+    return output
+
+
+class VocabShard(nn.Module):
+    """A rank's rows ``[first, end)`` of a token table of ``vocab`` rows, used as the whole table:
+    lookups summed over the ranks, and (tied LM head) logits gathered."""
+
+    def __init__(self, table: nn.Module, rows: tuple[int, int], vocab: int, group):
+        super().__init__()
+        self.table = table
+        self.first, self.end = rows
+        self.num_embeddings = vocab
+        self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.table.embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mine = (input_ids >= self.first) & (input_ids < self.end)
+        rows = self.table(torch.where(mine, input_ids - self.first, 0))
+        rows = rows.masked_fill(~mine[..., None], 0)
+        dist.all_reduce(rows, group=self.group)
+        return rows
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        linear = getattr(self.table, "as_linear", None)
+        return linear(x) if linear is not None else self.table(x)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits (..., vocab), each rank's columns gathered in rank order."""
+        local = self.local_logits(x).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def argmax(self, x: torch.Tensor, transform=None) -> torch.Tensor:
+        """(M, H) -> (M,): the argmax over the whole vocabulary of ``transform(logits)`` (default:
+        the logits in float32), from each rank's best value and id; ties go to the lowest id, as
+        one argmax over the gathered logits."""
+        local = self.local_logits(x)
+        values = transform(local) if transform is not None else local.float()
+        best = values.argmax(-1)
+        top = values.gather(-1, best[..., None])[..., 0].contiguous()
+        ids = (best + self.first).contiguous()
+        size = dist.get_world_size(self.group)
+        tops, all_ids = (
+            [torch.empty_like(top) for _ in range(size)],
+            [torch.empty_like(ids) for _ in range(size)],
+        )
+        dist.all_gather(tops, top, group=self.group)
+        dist.all_gather(all_ids, ids, group=self.group)
+        winner = torch.stack(tops).argmax(0)  # the first rank holding the highest value
+        return torch.stack(all_ids).gather(0, winner[None])[0]
+
+
+class VocabShardHead(VocabShard):
+    """An untied LM head's rows: called, the gathered logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.as_linear(x)
+
+
+class ExpertShard(Experts):
+    """Expert parallelism: the stacks of experts ``[first, end)`` only. Each rank computes the
+    (token, slot) pairs routed to its experts, where their weights are, and the ranks' weighted
+    sums are reduced; nothing else moves (no all-to-all: every rank holds every token, since the
+    layers around are tensor parallel and their outputs replicated).
+
+    The products are those of one device (whole experts); ``"grouped_mm"``'s float32 sum over a
+    token's K slots becomes each rank's sum of its slots, then a float32 all-reduce, rounded once:
+    only the order of the float32 additions differs. ``"eager"`` rounds each expert's weighted
+    output to the model dtype and sums in ascending expert id per rank, then across ranks.
+    """
+
+    def __init__(self, config, first: int, end: int, implementation: str):
+        super().__init__(replace(config, num_experts=end - first), implementation)
+        self.first, self.end = first, end
+        self.group = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        pairs = torch.nonzero((flat >= self.first) & (flat < self.end)).squeeze(1)  # token * k + slot
+        local, order = torch.sort(flat[pairs] - self.first, stable=True)
+        pairs = pairs[order]
+        ids, counts = torch.unique_consecutive(local, return_counts=True)
+        starts = [0, *torch.cumsum(counts, 0).tolist()]
+        eager = self.implementation == "eager"
+        dtype = x.dtype if eager else torch.promote_types(x.dtype, weights.dtype)
+        out = torch.zeros(n, x.shape[-1], dtype=dtype, device=x.device)
+        weighted_rows = torch.zeros(n * k, x.shape[-1], dtype=dtype, device=x.device)
+        for expert, a, b in zip(ids.tolist(), starts, starts[1:]):
+            rows = pairs[a:b]
+            gate, up = expert_linear(self.gate_up_proj, expert, x[rows // k]).chunk(2, dim=-1)
+            y = expert_linear(self.down_proj, expert, gelu_tanh(gate) * up)
+            y = y * weights.reshape(-1)[rows, None]
+            if eager:  # rounded and added expert by expert, in ascending id
+                out.index_add_(0, rows // k, y.to(dtype))
+            else:
+                weighted_rows[rows] = y.to(dtype)
+        if not eager:
+            out = weighted_rows.view(n, k, -1).sum(dim=1)
+        dist.all_reduce(out, group=self.group)
+        return out.to(x.dtype)
+
+
+def shard_source(source: list[tuple], plan: ShardPlan, module_path) -> list[tuple]:
+    """A checkpoint's tensor table ``(key, load, shape, dtype)`` as the rank reads it: each split
+    tensor's load returns only the rank's slice (of a memory-mapped file: only the slice's bytes
+    are copied), its shape the slice's. ``module_path``: the config's key -> module path rule."""
+    sharded = []
+    for key, load, shape, dtype in source:
+        name = module_path(key)
+        pieces = plan.slices(name) if name is not None else None
+        if pieces is None:
+            sharded.append((key, load, shape, dtype))
+            continue
+        local = list(shape)
+        local[pieces[0][0]] = sum(end - first for _, first, end in pieces)
+        sharded.append((key, _SliceLoad(load, pieces), tuple(local), dtype))
+    return sharded
+
+
+class _SliceLoad:
+    """A tensor's load narrowed to the rank's pieces; ``release`` passed on (mapped pages dropped)."""
+
+    def __init__(self, load, pieces: list[tuple[int, int, int]]):
+        self.load, self.pieces = load, pieces
+        release = getattr(load, "release", None)
+        if release is not None:
+            self.release = release
+
+    def __call__(self) -> torch.Tensor:
+        tensor = self.load()
+        parts = [tensor.narrow(dim, first, end - first) for dim, first, end in self.pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.pieces[0][0])
