@@ -1,0 +1,150 @@
+"""Tensor and expert parallelism (torchgemma.distributed) on the CPU with gloo: 2 and 4 ranks on the
+tiny random checkpoints of every Gemma 4 style, against one process.
+
+fp32 logits: TP sums each row-parallel product (o_proj, down_proj, expert down) in another order than
+one device does, so its logits are within one process's own rounding distance, not to the bit: the
+bound is twice one process's distance to a float64 run (measured: one process is 1e-5..6e-5 from
+float64 on these models, whose logits reach the 30 soft-cap). Greedy tokens must be identical.
+"""
+
+import pytest
+import torch
+
+import torchgemma
+from distributed_fixtures import Ranks
+from tp_worker import engine_batch, logits_and_tokens, seed_of
+from torchgemma.distributed import ParallelError, ShardPlan, build_sharded
+
+STYLES = ["e2b", "e4b", "26b", "31b"]
+
+
+def one_process(folders: dict, dtype) -> dict[str, dict[str, torch.Tensor]]:
+    """Each checkpoint's logits and tokens in one process, and (fp32) its float64 logits."""
+    refs = {}
+    for name, folder in folders.items():
+        refs[name] = logits_and_tokens(torchgemma.load(folder, dtype=dtype), seed_of(name))
+        if dtype == torch.float32:
+            exact = torchgemma.load(folder, dtype=torch.float64)
+            refs[name]["exact"] = logits_and_tokens(exact, seed_of(name), tokens=False)["logits"]
+    return refs
+
+
+def check_against_one_process(got: dict, refs: dict) -> None:
+    for name, ref in refs.items():
+        assert torch.equal(got[f"{name}.tokens"], ref["tokens"]), name
+        if "exact" in ref:
+            own = (ref["logits"].double() - ref["exact"]).abs().max().item()
+            drift = (got[f"{name}.logits"] - ref["logits"]).abs().max().item()
+            assert drift <= max(2 * own, 1e-5), f"{name}: {drift} from one process, which is {own} from float64"
+
+
+def compare(tmp_path, size: int, folders: dict, dtype: str, *extra: str) -> None:
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    with Ranks(tmp_path, size, _args(folders, "logits", "--dtype", dtype, *extra), timeout=300) as ranks:
+        refs = one_process(folders, torch_dtype)  # while the ranks run
+        check_against_one_process(ranks.results(), refs)
+
+
+def _args(folders: dict, *extra: str) -> list[str]:
+    return [*extra, *(f"{name}={folder}" for name, folder in folders.items())]
+
+
+def test_two_ranks_match_one_process_fp32(text_checkpoints, tmp_path, one_thread):
+    """E2B (PLE, KV sharing, its one KV head on both ranks) and 26B (MoE, K=V); all four: slow."""
+    compare(tmp_path, 2, {s: text_checkpoints[s] for s in ("e2b", "26b")}, "fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ranks_match_one_process(text_checkpoints, tmp_path, one_thread, size, dtype):
+    compare(tmp_path, size, {s: text_checkpoints[s] for s in STYLES}, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_expert_parallel_matches_one_process(text_checkpoints, tmp_path, one_thread, size, dtype):
+    compare(tmp_path, size, {"26b": text_checkpoints["26b"]}, dtype, "--expert-parallel")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_engine_batches_match_one_process(text_checkpoints, tmp_path, one_thread, size):
+    folders = {s: text_checkpoints[s] for s in ("e2b", "26b")}
+    with Ranks(tmp_path, size, _args(folders, "engine"), timeout=300) as ranks:
+        refs = {name: engine_batch(torchgemma.load(f, dtype=torch.float32), seed_of(name)) for name, f in folders.items()}
+        got = ranks.results()
+    for name, ref in refs.items():
+        assert torch.equal(got[f"{name}.engine"], ref["engine"]), name
+
+
+# ── the plan, without processes ─────────────────────────────────────────────────────────────
+
+
+def _config(folder):
+    return torchgemma.ModelConfig.from_file(folder)
+
+
+def test_plan_replicates_kv_heads_below_the_rank_count(text_checkpoints):
+    config = _config(text_checkpoints["31b"])  # 4 query heads; 2 sliding KV heads, 1 global
+    text = config.text
+    for rank in range(4):
+        plan = ShardPlan(text, 4, rank)
+        sliding, full = plan.layers[0], plan.layers[5]
+        assert sliding.q_heads == full.q_heads == (rank, rank + 1)
+        # queries 0-1 read KV head 0, queries 2-3 KV head 1; the one global head is on every rank
+        assert sliding.kv_heads == (rank // 2, rank // 2 + 1)
+        assert full.kv_heads == (0, 1)
+        local = plan.local_text()
+        assert [s.num_kv_heads for s in local.layers] == [1] * 6
+        assert local.num_attention_heads == 1
+
+
+def test_plan_slices_the_checkpoint_tensors(text_checkpoints):
+    text = _config(text_checkpoints["26b"]).text
+    plan = ShardPlan(text, 2, 1)
+    d = text.layers[0].head_dim
+    assert plan.slices("language_model.layers.0.self_attn.q_proj.weight") == [(0, 2 * d, 4 * d)]
+    assert plan.slices("language_model.layers.0.self_attn.o_proj.weight") == [(1, 2 * d, 4 * d)]
+    assert plan.slices("language_model.layers.0.mlp.down_proj.weight") == [(1, 48, 96)]
+    i = text.moe_intermediate_size
+    assert plan.slices("language_model.layers.0.experts.gate_up_proj") == [(1, 12, 24), (1, i + 12, i + 24)]
+    assert plan.slices("language_model.layers.0.experts.down_proj") == [(2, 12, 24)]
+    assert plan.slices("language_model.embed_tokens.weight") == [(0, 150, 300)]
+    assert plan.slices("language_model.layers.0.router.proj.weight") is None
+    assert plan.slices("language_model.norm.weight") is None
+    ep = ShardPlan(text, 2, 1, expert_parallel=True)
+    assert ep.slices("language_model.layers.0.experts.gate_up_proj") == [(0, 4, 8)]
+
+
+def test_sharded_model_holds_its_share(text_checkpoints):
+    """Per-rank parameters of the E2B-like model: the split tensors' 1/N plus the replicated rest."""
+    config = _config(text_checkpoints["e2b"])
+    with torch.device("meta"):
+        whole = torchgemma.Gemma(config)
+        shards = [build_sharded(config, ShardPlan(config.text, 2, r), "sdpa") for r in range(2)]
+    params = dict(whole.named_parameters())
+    for rank, shard in enumerate(shards):
+        plan = ShardPlan(config.text, 2, rank)
+        for name, p in shard.named_parameters():
+            shape, pieces = list(params[name].shape), plan.slices(name)
+            if pieces is not None:
+                shape[pieces[0][0]] = sum(end - first for _, first, end in pieces)
+            assert list(p.shape) == shape, name
+        # the one KV head (E2B) is on both ranks; q heads, MLP, tables halved
+        assert shard.language_model.layers[0].self_attn.k_proj.weight.shape[0] == config.text.layers[0].head_dim
+
+
+def test_plan_refuses_what_it_cannot_split(text_checkpoints):
+    text = _config(text_checkpoints["e2b"]).text
+    with pytest.raises(ParallelError, match="num_attention_heads .4. is not divisible by .* 3"):
+        ShardPlan(text, 3, 0)
+    with pytest.raises(ParallelError, match="expert_parallel needs a mixture of experts"):
+        ShardPlan(text, 2, 0, expert_parallel=True)
+
+
+def test_load_without_a_process_group_says_how_to_start_one(text_checkpoints, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ParallelError, match="torchrun --nproc-per-node 2"):
+        torchgemma.load(text_checkpoints["31b"], tensor_parallel_size=2)

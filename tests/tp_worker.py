@@ -1,0 +1,84 @@
+"""One rank of a tensor-parallel test run (tests/test_distributed.py starts N of them, with torchrun's
+environment, or under torchrun itself): loads each checkpoint split over the ranks and runs the
+same calls as the test's single process; rank 0 writes what it got to a safetensors file.
+
+    python tests/tp_worker.py OUT.safetensors TASK [--expert-parallel] [--dtype fp32] NAME=FOLDER ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torchgemma  # noqa: E402
+from checkpoints import padded_batch, padded_prompts  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+def logits_and_tokens(model, seed: int, tokens: bool = True) -> dict[str, torch.Tensor]:
+    """A padded batch's logits, and greedy continuations of padded prompts (as the test's single process)."""
+    ids, mask = padded_batch(seed)
+    prompts, prompt_mask = padded_prompts(seed)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if not tokens:
+        return {"logits": logits}
+    tokens = torchgemma.generate(
+        model, prompts, attention_mask=prompt_mask, max_new_tokens=NEW_TOKENS, stop_token_ids=[]
+    )
+    return {"logits": logits, "tokens": tokens}
+
+
+def engine_batch(model, seed: int) -> dict[str, torch.Tensor]:
+    """Three prompts of different lengths through one Engine, greedy, batched together."""
+    prompts, prompt_mask = padded_prompts(seed)
+    rows = [prompts[b][prompt_mask[b].bool()].tolist() for b in range(prompts.shape[0])]
+    engine = torchgemma.Engine(model, max_batch_size=3, max_len=64)
+    outputs = engine.generate_all(rows, max_new_tokens=NEW_TOKENS)
+    return {"engine": torch.tensor([out + [-1] * (NEW_TOKENS - len(out)) for out in outputs])}
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode()) % 1000
+
+
+TASKS = {"logits": logits_and_tokens, "engine": engine_batch}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("task", choices=list(TASKS))
+    parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument("--dtype", default="fp32")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {}
+    for item in args.checkpoints:
+        name, folder = item.split("=", 1)
+        model = torchgemma.load(
+            folder,
+            dtype=args.dtype,
+            tensor_parallel_size=int(__import__("os").environ["WORLD_SIZE"]),
+            expert_parallel=args.expert_parallel,
+        )
+        for key, value in TASKS[args.task](model, seed=seed_of(name)).items():
+            results[f"{name}.{key}"] = value.contiguous()
+    if dist.get_rank() == 0:
+        save_file(results, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
