@@ -3,6 +3,7 @@ Python process per rank, no launcher), or torchrun itself; every process killed 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -62,10 +63,8 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) ->
 def kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for p in procs:
         p.wait()
 

@@ -12,8 +12,8 @@ import torch
 
 import torchgemma
 from distributed_fixtures import Ranks
-from tp_worker import engine_batch, logits_and_tokens, seed_of
 from torchgemma.distributed import ParallelError, ShardPlan, build_sharded
+from tp_worker import engine_batch, logits_and_tokens, seed_of
 
 STYLES = ["e2b", "e4b", "26b", "31b"]
 
@@ -35,7 +35,9 @@ def check_against_one_process(got: dict, refs: dict) -> None:
         if "exact" in ref:
             own = (ref["logits"].double() - ref["exact"]).abs().max().item()
             drift = (got[f"{name}.logits"] - ref["logits"]).abs().max().item()
-            assert drift <= max(2 * own, 1e-5), f"{name}: {drift} from one process, which is {own} from float64"
+            assert drift <= max(2 * own, 1e-5), (
+                f"{name}: {drift} from one process, which is {own} from float64"
+            )
 
 
 def compare(tmp_path, size: int, folders: dict, dtype: str, *extra: str) -> None:
@@ -49,31 +51,34 @@ def _args(folders: dict, *extra: str) -> list[str]:
     return [*extra, *(f"{name}={folder}" for name, folder in folders.items())]
 
 
-def test_two_ranks_match_one_process_fp32(text_checkpoints, tmp_path, one_thread):
+def test_two_ranks_match_one_process_fp32(gen_checkpoints, tmp_path, one_thread):
     """E2B (PLE, KV sharing, its one KV head on both ranks) and 26B (MoE, K=V); all four: slow."""
-    compare(tmp_path, 2, {s: text_checkpoints[s] for s in ("e2b", "26b")}, "fp32")
+    compare(tmp_path, 2, {s: gen_checkpoints[s] for s in ("e2b", "26b")}, "fp32")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_ranks_match_one_process(text_checkpoints, tmp_path, one_thread, size, dtype):
-    compare(tmp_path, size, {s: text_checkpoints[s] for s in STYLES}, dtype)
+def test_ranks_match_one_process(gen_checkpoints, tmp_path, one_thread, size, dtype):
+    compare(tmp_path, size, {s: gen_checkpoints[s] for s in STYLES}, dtype)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_expert_parallel_matches_one_process(text_checkpoints, tmp_path, one_thread, size, dtype):
-    compare(tmp_path, size, {"26b": text_checkpoints["26b"]}, dtype, "--expert-parallel")
+def test_expert_parallel_matches_one_process(gen_checkpoints, tmp_path, one_thread, size, dtype):
+    compare(tmp_path, size, {"26b": gen_checkpoints["26b"]}, dtype, "--expert-parallel")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-def test_engine_batches_match_one_process(text_checkpoints, tmp_path, one_thread, size):
-    folders = {s: text_checkpoints[s] for s in ("e2b", "26b")}
+def test_engine_batches_match_one_process(gen_checkpoints, tmp_path, one_thread, size):
+    folders = {s: gen_checkpoints[s] for s in ("e2b", "26b")}
     with Ranks(tmp_path, size, _args(folders, "engine"), timeout=300) as ranks:
-        refs = {name: engine_batch(torchgemma.load(f, dtype=torch.float32), seed_of(name)) for name, f in folders.items()}
+        refs = {
+            name: engine_batch(torchgemma.load(f, dtype=torch.float32), seed_of(name))
+            for name, f in folders.items()
+        }
         got = ranks.results()
     for name, ref in refs.items():
         assert torch.equal(got[f"{name}.engine"], ref["engine"]), name
@@ -133,7 +138,9 @@ def test_sharded_model_holds_its_share(text_checkpoints):
                 shape[pieces[0][0]] = sum(end - first for _, first, end in pieces)
             assert list(p.shape) == shape, name
         # the one KV head (E2B) is on both ranks; q heads, MLP, tables halved
-        assert shard.language_model.layers[0].self_attn.k_proj.weight.shape[0] == config.text.layers[0].head_dim
+        assert (
+            shard.language_model.layers[0].self_attn.k_proj.weight.shape[0] == config.text.layers[0].head_dim
+        )
 
 
 def test_plan_refuses_what_it_cannot_split(text_checkpoints):

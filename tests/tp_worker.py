@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torchgemma  # noqa: E402
 from checkpoints import padded_batch, padded_prompts  # noqa: E402
+from torchgemma.generation.ranks import LeaderEngine, follow  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -40,12 +41,26 @@ def logits_and_tokens(model, seed: int, tokens: bool = True) -> dict[str, torch.
 
 
 def engine_batch(model, seed: int) -> dict[str, torch.Tensor]:
-    """Three prompts of different lengths through one Engine, greedy, batched together."""
+    """Three prompts of different lengths through one Engine, batched together (two greedy, one
+    sampled with a seed); under tensor parallelism rank 0 leads and the others follow."""
     prompts, prompt_mask = padded_prompts(seed)
     rows = [prompts[b][prompt_mask[b].bool()].tolist() for b in range(prompts.shape[0])]
-    engine = torchgemma.Engine(model, max_batch_size=3, max_len=64)
-    outputs = engine.generate_all(rows, max_new_tokens=NEW_TOKENS)
-    return {"engine": torch.tensor([out + [-1] * (NEW_TOKENS - len(out)) for out in outputs])}
+    engine = torchgemma.Engine(model, max_batch_size=3, max_len=64, prefill_chunk=4)
+    if dist.is_initialized():
+        if dist.get_rank() != 0:
+            follow(engine)
+            return {}
+        engine = LeaderEngine(engine)
+    sampled = torchgemma.SamplingParams(temperature=0.9, seed=seed)
+    out = {b: [] for b in range(len(rows))}
+    for b, row in enumerate(rows):
+        engine.add_request(b, row, max_new_tokens=NEW_TOKENS, sampling=sampled if b == 1 else None)
+    while engine.has_unfinished_requests():
+        for step in engine.step():
+            out[step.request_id].append(step.token_id)
+    if isinstance(engine, LeaderEngine):
+        engine.close()
+    return {"engine": torch.tensor([out[b] + [-1] * (NEW_TOKENS - len(out[b])) for b in out])}
 
 
 def seed_of(name: str) -> int:
