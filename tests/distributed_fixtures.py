@@ -61,12 +61,44 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) ->
 
 
 def kill(procs: list[subprocess.Popen]) -> None:
+    """Kill each process still running, its process group and every process below it (torchrun's
+    workers have process groups of their own)."""
     for p in procs:
         if p.poll() is None:
+            below = descendants(p.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     for p in procs:
         p.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux: /proc's children lists)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                queue += children
+    return found
+
+
+def run_command(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that kills every process below on a timeout (torchrun's workers too)."""
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill([process])
+        pytest.fail(f"{command} still running after {timeout} s")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def tails(logs: list[Path]) -> str:

@@ -7,11 +7,18 @@ bound is twice one process's distance to a float64 run (measured: one process is
 float64 on these models, whose logits reach the 30 soft-cap). Greedy tokens must be identical.
 """
 
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 import torch
 
 import torchgemma
-from distributed_fixtures import Ranks
+from distributed_fixtures import Ranks, free_port, kill, rank_env, run_command
 from torchgemma.distributed import ParallelError, ShardPlan, build_sharded
 from tp_worker import engine_batch, logits_and_tokens, seed_of
 
@@ -155,3 +162,67 @@ def test_load_without_a_process_group_says_how_to_start_one(text_checkpoints, mo
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ParallelError, match="torchrun --nproc-per-node 2"):
         torchgemma.load(text_checkpoints["31b"], tensor_parallel_size=2)
+
+
+# ── the command line, under torchrun ────────────────────────────────────────────────────────
+
+
+def _torchrun(size: int, *argv: str) -> list[str]:
+    port = str(free_port())
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(size), "--master-port", port]
+    return [sys.executable, *launcher, "-m", "torchgemma.cli", *argv]
+
+
+@pytest.mark.slow
+def test_generate_under_torchrun_prints_what_one_process_does(llm_checkpoint, tmp_path):
+    argv = ["generate", "--model", str(llm_checkpoint), "--max-new-tokens", "10", "-q"]
+    argv += ["--temperature", "0.8", "--seed", "3", "Hello there"]
+    env = rank_env(0, 1, 0)
+    one = run_command([sys.executable, "-m", "torchgemma.cli", *argv], env, timeout=300)
+    command = _torchrun(2, *argv, "--tensor-parallel-size", "2")
+    two = run_command(command, env, timeout=300)
+    assert one.returncode == two.returncode == 0, two.stderr.decode()[-3000:]
+    assert two.stdout == one.stdout  # rank 0 alone writes
+
+
+@pytest.mark.slow
+def test_server_under_torchrun_answers_as_one_process(llm_checkpoint, tmp_path):
+    port = free_port()
+    argv = ["serve", "--model", str(llm_checkpoint), "--port", str(port), "--max-len", "64"]
+    argv += ["--served-model-name", "m"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as handle:
+        process = subprocess.Popen(
+            _torchrun(2, *argv, "--tensor-parallel-size", "2"),
+            env=rank_env(0, 1, 0),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        prompts = ["Hello there", "The cat sat"]
+        body = dict(model="m", temperature=0, max_tokens=8)
+        served = [
+            httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={**body, "prompt": p}, timeout=120
+            ).json()
+            for p in prompts
+        ]
+        llm = torchgemma.LLM(llm_checkpoint, prefix_cache_gb=0)
+        for prompt, reply in zip(prompts, served):
+            assert "choices" in reply, reply
+            assert reply["choices"][0]["text"] == llm.generate(prompt, temperature=0, max_new_tokens=8), reply
+    finally:
+        process.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=60)
+        kill([process])

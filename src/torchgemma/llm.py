@@ -102,9 +102,9 @@ class LLM:
     checkpoint's processor config (``processor_config.json`` / ``preprocessor_config.json``), else 280.
     Videos keep ``video_num_frames`` frames of ``video_soft_tokens`` soft tokens each: the processor
     config's ``video_processor`` values, else 32 and 70 (attributes, which may be changed).
-    ``quantize``: as in ``torchgemma.load`` (``"auto"``: a .gguf file, or the named model
-    gemma3-270m, keeps its GGUF blocks; ``"int8"``, ``"int4"``, ``"gguf"`` or None). ``activations``, ``mmproj``
-    (llama.cpp's towers file beside a .gguf model): as in ``torchgemma.load``.
+    ``quantize``, ``activations``, ``mmproj`` (llama.cpp's towers file beside a .gguf model) and other
+    keywords (``tensor_parallel_size``, ``expert_parallel``: many devices): as in ``torchgemma.load``
+    (``quantize="auto"``: a .gguf file or gemma3-270m keeps its GGUF blocks).
     ``prefix_cache_gb``: the memory (GiB) of the prefix cache the LLM keeps across calls
     (``llm.prefix_cache``, a ``generation.prefix_cache.PrefixCache``): a prompt that begins as an
     earlier one did (the conversation so far, a shared system prompt) prefills only the rest, with
@@ -121,9 +121,9 @@ class LLM:
         max_soft_tokens: int | None = None,
         progress: bool = True,
         quantize: str | None = "auto",
-        activations: str | None = "auto",
         prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
         mmproj: str | Path | None = None,
+        **load_options: Any,
     ) -> None:
         prefix_cache = prefix_cache_of(prefix_cache_gb)  # checked before the load
         folder = resolve_source(source)
@@ -136,8 +136,8 @@ class LLM:
             attention=attention,
             progress=progress,
             quantize=quantize,
-            activations=activations,
             mmproj=mmproj,
+            **load_options,
         )
         self.tokenizer = load_tokenizer(folder)
         text = self.model.config.text

@@ -18,7 +18,7 @@ from .common import (
     sampling_params,
     utf8,
 )
-from .options import add_generation_flags, add_media_flags
+from .options import add_generation_flags, add_media_flags, add_parallel_flags
 from .precheck import check_media
 
 IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER = "<|image|>", "<|audio|>", "<|video|>"
@@ -44,6 +44,7 @@ def add_parser(commands) -> None:
         quiet="no progress bar, no speed line: stdout and errors only",
         verbose="also say how the model loaded (device, dtype, threads, seconds)",
     )
+    add_parallel_flags(generate)
     add_media_flags(
         generate,
         "each fills one <|image|> / <|audio|> / <|video|> placeholder of the prompt, in order; a prompt without "

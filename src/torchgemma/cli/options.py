@@ -171,6 +171,21 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="split the text decoder over N processes: run under `torchrun --nproc-per-node N` (default 1)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="a mixture of experts (26B-A4B): whole experts per process instead of a slice of each",
+    )
+
+
 def add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: str) -> None:
     add_model_flags(parser)
     parser.add_argument(

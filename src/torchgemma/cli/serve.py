@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .chat import read_template
 from .common import CLIError, importable, load_llm, prepare
-from .options import add_model_flags, float_where, int_at_least
+from .options import add_model_flags, add_parallel_flags, float_where, int_at_least
 
 # The environment variable that can hold the API key (unlike --api-key, not shown by `ps`).
 API_KEY_ENV = "TORCHGEMMA_API_KEY"
@@ -31,6 +31,7 @@ def add_parser(commands) -> None:
         "extra: pip install 'torchgemma[serve]'.",
     )
     add_model_flags(serve)
+    add_parallel_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int_at_least(0), default=8000)
     serve.add_argument(
@@ -235,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--allowed-origins is empty (give '*' to allow any origin)")
     template = read_template(args.chat_template) if args.chat_template else None
     llm = load_llm(args)
+    engine = parallel_engine(args, llm)
+    if engine is False:  # a follower rank: it ran rank 0's steps until the server stopped
+        return 0
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or str(args.model)
@@ -253,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         allowed_origins=allowed_origins or None,
         responses_store=args.responses_store,
+        engine=engine,
     )
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)
@@ -269,17 +274,46 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn stops cleanly on Ctrl-C and SIGTERM (the app's shutdown stops the engine thread), then
     # re-raises the signal to the handler it found: SIGTERM then ends the process with status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        # Beyond this many open connections (or running requests) uvicorn answers 503.
-        limit_concurrency=args.max_connections,
-        timeout_keep_alive=args.timeout_keep_alive,
-        http=header_timeout_protocol(args.header_timeout),
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            # Beyond this many open connections (or running requests) uvicorn answers 503.
+            limit_concurrency=args.max_connections,
+            timeout_keep_alive=args.timeout_keep_alive,
+            http=header_timeout_protocol(args.header_timeout),
+        )
+    finally:
+        if engine is not None:  # the follower ranks return once the server has stopped
+            engine.close()
     return 0
+
+
+def parallel_engine(args: argparse.Namespace, llm):
+    """Under --tensor-parallel-size: rank 0's ``LeaderEngine`` for the server, or False on the other
+    ranks once they have followed it to the end (``generation/ranks.py``); None without it."""
+    from ..distributed import is_leader
+
+    if args.tensor_parallel_size == 1 and not args.expert_parallel:
+        return None
+    from ..generation import Engine
+    from ..generation.prefix_cache import prefix_cache_of
+    from ..generation.ranks import LeaderEngine, follow
+
+    engine = Engine(
+        llm.model,
+        max_batch_size=args.max_batch_size,
+        max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
+        generation_config=llm.generation_config,
+        prefix_cache=prefix_cache_of(args.prefix_cache_gb),
+    )
+    if is_leader():
+        return LeaderEngine(engine)
+    follow(engine)
+    return False
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:

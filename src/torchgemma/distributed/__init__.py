@@ -2,7 +2,7 @@
 slice each rank holds; ``transform.py``: the rank's modules and their collectives; ``group.py``:
 the process group, from torchrun's environment)."""
 
-from .group import init_group, is_leader
+from .group import init_group, is_leader, sync_seed
 from .plan import ParallelError, ShardPlan, shard_plan
 from .transform import ExpertShard, VocabShard, build_sharded, connect, shard_model, shard_source
 
@@ -18,4 +18,5 @@ __all__ = [
     "shard_model",
     "shard_plan",
     "shard_source",
+    "sync_seed",
 ]

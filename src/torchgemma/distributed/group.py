@@ -36,3 +36,15 @@ def is_leader() -> bool:
     """Whether this process runs what only one rank should (the scheduler, tokenizer, HTTP, output):
     rank 0 of a process group, or a process outside any."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def sync_seed() -> None:
+    """Seed torch's RNG on every rank with one seed drawn on rank 0: unseeded sampling then draws
+    the same numbers on every rank, which computes the same logits."""
+    seed = (
+        torch.randint(2**62, (), dtype=torch.int64)
+        if dist.get_rank() == 0
+        else torch.zeros((), dtype=torch.int64)
+    )
+    dist.broadcast(seed, src=0)
+    torch.manual_seed(int(seed))
