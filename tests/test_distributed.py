@@ -12,10 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import torchgemma
 from distributed_fixtures import Ranks, free_port, kill, rank_env, run_command
@@ -226,3 +228,32 @@ def test_server_under_torchrun_answers_as_one_process(llm_checkpoint, tmp_path):
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=60)
         kill([process])
+
+
+@pytest.mark.slow
+def test_each_rank_reads_its_share_of_the_weights(tmp_path):
+    """A 31B-like checkpoint of ~35M float32 parameters: the resident memory a rank gains while
+    loading (peak included) is about 1/N of what one process gains."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from checkpoints import COMMON
+    from checkpoints import STYLES as SHAPES
+
+    wide = dict(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_attention_heads=8)
+    wide.update(head_dim=64, global_head_dim=128, num_key_value_heads=4, num_global_key_value_heads=2)
+    Gemma4ForCausalLM(Gemma4TextConfig(**{**COMMON, **SHAPES["31b"], **wide})).save_pretrained(tmp_path / "w")
+    one = tmp_path / "one.safetensors"
+    env = {**rank_env(0, 1, free_port()), "WORLD_SIZE": "1"}
+    worker = [sys.executable, str(Path(__file__).parent / "tp_worker.py")]
+    done = run_command([*worker, str(one), "memory", f"w={tmp_path / 'w'}"], env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    params, _, peak, before = load_file(one)["w.memory"].tolist()
+    for size in (2, 4):
+        with Ranks(tmp_path, size, ["memory", f"w={tmp_path / 'w'}"], timeout=300) as ranks:
+            share, _, rank_peak, rank_before = ranks.results()["w.memory"].tolist()
+        assert abs(share - params / size) < 0.02 * params  # norms replicated
+        assert rank_peak - rank_before < 1.15 * (peak - before) / size, (
+            size,
+            rank_peak - rank_before,
+            peak - before,
+        )

@@ -67,7 +67,22 @@ def seed_of(name: str) -> int:
     return zlib.crc32(name.encode()) % 1000
 
 
-TASKS = {"logits": logits_and_tokens, "engine": engine_batch}
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: the peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory(model, seed: int) -> dict[str, torch.Tensor]:
+    """The rank's parameter bytes and its resident memory after loading and at the peak (KiB)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"memory": torch.tensor([params // 1024, _status_kib("VmRSS"), _status_kib("VmHWM"), BEFORE_KIB])}
+
+
+TASKS = {"logits": logits_and_tokens, "engine": engine_batch, "memory": memory}
+BEFORE_KIB = 0
 
 
 def main() -> None:
@@ -77,8 +92,11 @@ def main() -> None:
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--expert-parallel", action="store_true")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--quantize", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    global BEFORE_KIB
+    BEFORE_KIB = _status_kib("VmRSS")  # torch imported, nothing loaded
     results = {}
     for item in args.checkpoints:
         name, folder = item.split("=", 1)
@@ -87,9 +105,13 @@ def main() -> None:
             dtype=args.dtype,
             tensor_parallel_size=int(__import__("os").environ["WORLD_SIZE"]),
             expert_parallel=args.expert_parallel,
+            quantize=None if args.quantize == "none" else args.quantize,
         )
         for key, value in TASKS[args.task](model, seed=seed_of(name)).items():
             results[f"{name}.{key}"] = value.contiguous()
+    if not dist.is_initialized():  # one process (WORLD_SIZE=1): the comparison's own figures
+        save_file(results, args.out)
+        return
     if dist.get_rank() == 0:
         save_file(results, args.out)
     dist.destroy_process_group()

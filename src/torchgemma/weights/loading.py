@@ -160,6 +160,11 @@ def load(
             rank, device = init_group(tensor_parallel_size, device)
             if checkpoint.config.quantization is not None:
                 raise ValueError(f"{path} was saved quantized: load its float checkpoint to split it")
+            if plan.mode == "gguf":  # GroupedInts are not sliced yet
+                raise ValueError(
+                    f'tensor parallelism does not keep GGUF blocks yet: load {path.name} with quantize=None '
+                    '(each rank dequantizes its slices) or quantize="int4"'
+                )
             shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel)
         model = _build(
             checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None, shards
