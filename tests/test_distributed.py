@@ -255,3 +255,35 @@ def test_each_rank_reads_its_share_of_the_weights(tmp_path):
         # 1/N, plus what does not shrink (allocator, one tensor's pages in flight): measured 0.32 at N=4
         gained = (rank_peak - rank_before) / (peak - before)
         assert gained < 1 / size + 0.1, (size, gained)
+
+
+def test_rank_memory_of_the_published_31b(tmp_path):
+    """Per-rank weights and KV cache from the shard plan (what `torchgemma info --tensor-parallel-size`
+    prints): the split tensors divided, the rest whole; the cache divided until the 4 global KV heads
+    are fewer than the ranks, then those replicated."""
+    import json
+
+    from published_configs import D31B
+    from torchgemma.info import describe, rank_memory
+
+    (tmp_path / "config.json").write_text(json.dumps(D31B))
+    config = torchgemma.ModelConfig.from_file(tmp_path)
+    whole = describe(config, context=4096, dtype=torch.bfloat16)
+    text = config.text
+    # Replicated: the norms (4 per layer of hidden size, q/k norms of head_dim) and the final norm.
+    replicated = sum(
+        p.numel() for n, p in _meta(config).named_parameters() if ShardPlan(text, 2, 0).slices(n) is None
+    )
+    for size in (2, 4):
+        rank = rank_memory(config, size, context=4096)
+        assert rank["params_per_rank"] == (whole["params_total"] - replicated) // size + replicated
+        assert rank["kv_cache_bytes_per_rank"] == whole["kv_cache_bytes"] // size
+    eight = rank_memory(config, 8, context=4096)
+    full = [s for s in text.layers if not s.is_sliding]
+    full_bytes = 2 * 2 * len(full) * full[0].num_kv_heads * full[0].head_dim * 4096
+    assert eight["kv_cache_bytes_per_rank"] == (whole["kv_cache_bytes"] - full_bytes) // 8 + full_bytes // 4
+
+
+def _meta(config):
+    with torch.device("meta"):
+        return torchgemma.Gemma(config)

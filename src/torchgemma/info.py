@@ -8,13 +8,14 @@ it (``checkpoint_config``): a folder's or hub repository's config.json, or a GGU
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .cache import sliding_ring
 from .config import ModelConfig
+from .distributed import ShardPlan, build_sharded
 from .model import Gemma
 from .model.text import Experts
 from .quantization import quantizable as quantizable_weights
@@ -314,3 +315,33 @@ def format_report(info: dict) -> str:
         f"{info['sliding_window'] - 1:,} earlier keys + {info['kv_cache_sliding_slack']} of rollback slack",
     ]
     return "\n".join(lines)
+
+
+def rank_memory(
+    config: ModelConfig,
+    size: int,
+    *,
+    expert_parallel: bool = False,
+    context: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """What one of ``size`` tensor-parallel ranks holds, from the shard plan (``torchgemma.distributed``;
+    every rank holds an equal share): its parameters (its text-decoder slices, the towers whole) in
+    ``dtype``, and its KV cache (its KV heads; a head replicated on several ranks counted on each)."""
+    plan = ShardPlan(config.text, size, 0, expert_parallel)
+    with torch.device("meta"):
+        model = build_sharded(config, plan, "sdpa")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.numel() for p in model.parameters())
+    context = context or config.text.max_position_embeddings
+    local = replace(config, text=plan.local_text())
+    return {
+        "tensor_parallel_size": size,
+        "expert_parallel": expert_parallel,
+        "params_per_rank": params,
+        "weights_bytes_per_rank": params * itemsize,
+        "kv_cache_bytes_per_rank": kv_cache_bytes(local, context, batch, dtype),
+        "context": context,
+        "batch": batch,
+    }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from ..weights.loading import resolve_dtype
 from .options import int_at_least, parse_dtype
 
@@ -44,6 +46,14 @@ def add_parser(commands) -> None:
         help="tokens a sequence can take back (speculative decoding): slack in the sliding layers' ring",
     )
     info.add_argument("--json", action="store_true", help="print a JSON object")
+    info.add_argument(
+        "--tensor-parallel-size",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="also what each of N tensor-parallel processes holds (weights in --dtype, default bf16; KV cache)",
+    )
+    info.add_argument("--expert-parallel", action="store_true", help="with it: whole experts per process")
     info.set_defaults(func=run, parser=info)
 
 
@@ -64,5 +74,22 @@ def run(args: argparse.Namespace) -> int:
         max_rollback=args.max_rollback,
         sentence_head=sentence_head_shapes(source),
     )
+    if args.tensor_parallel_size > 1 or args.expert_parallel:
+        from ..info import GIB, rank_memory
+
+        info["per_rank"] = per_rank = rank_memory(
+            config,
+            args.tensor_parallel_size,
+            expert_parallel=args.expert_parallel,
+            context=args.context,
+            batch=args.batch,
+            dtype=resolve_dtype(args.dtype) or torch.bfloat16,
+        )
     print(json.dumps(info, indent=2) if args.json else format_report(info))
+    if "per_rank" in info and not args.json:
+        print(
+            f"\nper rank of {args.tensor_parallel_size}{' (expert parallel)' if args.expert_parallel else ''}: "
+            f"weights {per_rank['weights_bytes_per_rank'] / GIB:.2f} GiB, "
+            f"KV cache {per_rank['kv_cache_bytes_per_rank'] / GIB:.2f} GiB"
+        )
     return 0
