@@ -90,5 +90,7 @@ def compile(  # noqa: A001 - torchgemma.compile, as torch.compile
     ``Engine`` (and so ``generate``, ``stream`` and ``LLM``) then decode with it. ``backend`` and
     ``mode`` go to ``torch.compile``; ``cuda_graphs`` defaults to on for a model on CUDA.
     """
+    if getattr(model, "shard_plan", None) is not None:  # (torchgemma.distributed)
+        raise ValueError("torchgemma.compile does not compile a tensor-parallel model yet: run it eagerly")
     model.compiled_decode = CompiledDecode(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs)
     return model

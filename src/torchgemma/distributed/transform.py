@@ -9,15 +9,14 @@ Two steps, around loading:
 * ``connect`` (on the filled model): the collectives. The model code itself is unchanged; what is
   added is where a partial result must be summed or gathered:
 
-  - attention: each rank's o_proj sums over its heads only: one all-reduce of the attention
-    output, before ``post_attention_layernorm`` (a forward hook on ``self_attn``);
-  - dense MLP: down_proj sums over the rank's features: one all-reduce of the MLP output;
+  - attention: each rank's o_proj sums over its heads only: one all-reduce of its output, before
+    ``post_attention_layernorm`` (``RowParallel``: in bf16 the parts are summed in float32);
+  - dense MLP: down_proj sums over the rank's features: one all-reduce of its output;
   - mixture of experts (26B-A4B): the dense MLP and the experts each end in their own norm
     (``post_feedforward_layernorm_1`` / ``_2``) before they are added, and an RMSNorm of a partial
     sum is not the partial of the norm: the two are reduced separately, two all-reduces in an MoE
-    layer (what transformers' plan does too). Tensor-parallel experts are reduced in the model
-    dtype, like the MLP; expert-parallel ones (``ExpertShard``) in float32, before the single
-    rounding the reference makes;
+    layer (what transformers' plan does too). The experts (``ExpertShard``) reduce in float32,
+    before the single rounding the reference makes;
   - token table (and PLE table): each rank looks up the ids in its rows, zeros for the others, and
     an all-reduce sums them (adding zeros is exact: the same bits as one table);
   - LM head: each rank's logits for its rows, all-gathered (``logits``) or reduced to a greedy
@@ -27,10 +26,10 @@ Two steps, around loading:
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..model import Gemma
@@ -58,10 +57,12 @@ def shard_model(model: Gemma, plan: ShardPlan) -> Gemma:
     if plan.per_layer_vocab is not None:
         first, end = plan.per_layer_vocab
         text.embed_tokens_per_layer = _embedding(end - first, text.embed_tokens_per_layer.embedding_dim)
-    if plan.experts is not None:
-        for layer in text.layers:
-            if layer.spec.moe:
-                layer.experts = ExpertShard(text.config, *plan.experts, layer.experts.implementation)
+    for layer in text.layers:
+        if layer.spec.moe:
+            # Whole experts [first, end) (expert parallel), or every expert's slice of features.
+            first, end = plan.experts or (0, text.config.num_experts)
+            sliced = plan.experts is None
+            layer.experts = ExpertShard(text.config, first, end, layer.experts.implementation, sliced)
     model.shard_plan = plan
     return model
 
@@ -71,7 +72,6 @@ def connect(model: Gemma, group: dist.ProcessGroup | None = None) -> Gemma:
     ``group`` (None: the default group)."""
     plan: ShardPlan = model.shard_plan
     text = model.language_model
-    reduce = partial(_all_reduce_output, group=group)
     text.embed_tokens = VocabShard(text.embed_tokens, plan.vocab, plan.text.vocab_size, group)
     if hasattr(text, "lm_head"):
         text.lm_head = VocabShardHead(text.lm_head, plan.vocab, plan.text.vocab_size, group)
@@ -80,20 +80,39 @@ def connect(model: Gemma, group: dist.ProcessGroup | None = None) -> Gemma:
             text.embed_tokens_per_layer, plan.per_layer_vocab, plan.text.vocab_size_per_layer_input, group
         )
     for layer in text.layers:
-        layer.self_attn.register_forward_hook(reduce)
-        layer.mlp.register_forward_hook(reduce)
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
         if layer.spec.moe:
-            if isinstance(layer.experts, ExpertShard):
-                layer.experts.group = group  # reduces in float32 itself
-            else:
-                layer.experts.register_forward_hook(reduce)
-    model.process_group = group
+            layer.experts.group = group  # reduces in float32 itself
+    model.process_group = text.process_group = group
     return model
 
 
-def _all_reduce_output(module, args, output: torch.Tensor, group) -> torch.Tensor:
-    dist.all_reduce(output, group=group)
-    return output
+class RowParallel(nn.Module):
+    """A layer split by input features (o_proj, down_proj): each rank's product over its features,
+    summed over the ranks. In bf16 the partial products stay in float32 until the sum, rounded once
+    as one device's product is (rounding each rank's part first moved bf16 logits by up to ~1 and
+    parted greedy tokens); the weight is widened to float32 for the product (a quantized layer's own
+    product is reduced in its output dtype)."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.weight_shape = tuple(inner.weight.shape) if isinstance(inner, nn.Linear) else inner.weight_shape
+        # generation/invariance.py probes ``matmul`` as it probes a quantized product, by this name.
+        self.format = "row-parallel"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the product (float32 for a reduced-precision float layer)."""
+        if isinstance(self.inner, nn.Linear) and x.dtype in (torch.bfloat16, torch.float16):
+            return F.linear(x.float(), self.inner.weight.float())
+        return self.inner(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
 
 
 class VocabShard(nn.Module):
@@ -161,21 +180,30 @@ class VocabShardHead(VocabShard):
 
 
 class ExpertShard(Experts):
-    """Expert parallelism: the stacks of experts ``[first, end)`` only. Each rank computes the
-    (token, slot) pairs routed to its experts, where their weights are, and the ranks' weighted
+    """A rank's experts: whole experts ``[first, end)`` (expert parallelism), or every expert's
+    slice of intermediate features (``sliced``: tensor parallelism). Each rank computes the (token,
+    slot) pairs routed to the experts it holds, where their weights are, and the ranks' weighted
     sums are reduced; nothing else moves (no all-to-all: every rank holds every token, since the
     layers around are tensor parallel and their outputs replicated).
 
-    The products are those of one device (whole experts); ``"grouped_mm"``'s float32 sum over a
-    token's K slots becomes each rank's sum of its slots, then a float32 all-reduce, rounded once:
-    only the order of the float32 additions differs. ``"eager"`` rounds each expert's weighted
-    output to the model dtype and sums in ascending expert id per rank, then across ranks.
+    ``"grouped_mm"`` sums a token's K weighted outputs in float32 and rounds once; here each rank
+    sums its part in float32, the parts are all-reduced in float32, and the sum is rounded once.
+    Whole experts make one device's products (only the order of float32 additions differs); a
+    slice's down product is a float32 part of the row's sum (in bf16 the slice is widened for it).
+    ``"eager"`` rounds each expert's weighted output to the model dtype and sums in ascending
+    expert id per rank, then across ranks (in the model dtype).
     """
 
-    def __init__(self, config, first: int, end: int, implementation: str):
+    def __init__(self, config, first: int, end: int, implementation: str, sliced: bool = False):
         super().__init__(replace(config, num_experts=end - first), implementation)
-        self.first, self.end = first, end
+        self.first, self.end, self.sliced = first, end, sliced
         self.group = None
+
+    def down(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """The down product; a slice of features (``sliced``) gives a float32 part of the sum."""
+        if self.sliced and isinstance(self.down_proj, torch.Tensor) and x.dtype != torch.float32:
+            return F.linear(x.float(), self.down_proj[expert].float())
+        return expert_linear(self.down_proj, expert, x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         n, k = experts.shape
@@ -192,7 +220,7 @@ class ExpertShard(Experts):
         for expert, a, b in zip(ids.tolist(), starts, starts[1:]):
             rows = pairs[a:b]
             gate, up = expert_linear(self.gate_up_proj, expert, x[rows // k]).chunk(2, dim=-1)
-            y = expert_linear(self.down_proj, expert, gelu_tanh(gate) * up)
+            y = self.down(expert, gelu_tanh(gate) * up)
             y = y * weights.reshape(-1)[rows, None]
             if eager:  # rounded and added expert by expert, in ascending id
                 out.index_add_(0, rows // k, y.to(dtype))

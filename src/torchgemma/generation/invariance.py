@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -86,7 +87,16 @@ class RowProbe:
                 "(once per model: Engine(batch_invariant=...))..."
             ):
                 known[max_rows, dtype] = cls._run(model, max_rows, dtype)
+            if getattr(model, "process_group", False) is not False:  # tensor parallel: one choice
+                known[max_rows, dtype] = known[max_rows, dtype].agreed(model.process_group)
         return known[max_rows, dtype]
+
+    def agreed(self, group) -> RowProbe:
+        """The smallest boundary of every rank of a tensor-parallel model (each probed its own
+        slices): a split forward is one more set of collective calls, so every rank must split alike."""
+        first = torch.tensor(self.first or 2**31 - 1)
+        torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN, group=group)
+        return RowProbe({"the ranks' smallest": None if first == 2**31 - 1 else int(first)})
 
     @classmethod
     def _run(cls, model: TextModel, max_rows: int, dtype: torch.dtype) -> RowProbe:
