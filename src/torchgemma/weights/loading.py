@@ -162,7 +162,7 @@ def load(
                 raise ValueError(f"{path} was saved quantized: load its float checkpoint to split it")
             if plan.mode == "gguf":  # GroupedInts are not sliced yet
                 raise ValueError(
-                    f'tensor parallelism does not keep GGUF blocks yet: load {path.name} with quantize=None '
+                    f"tensor parallelism does not keep GGUF blocks yet: load {path.name} with quantize=None "
                     '(each rank dequantizes its slices) or quantize="int4"'
                 )
             shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel)
