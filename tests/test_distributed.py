@@ -311,3 +311,63 @@ def test_rank_memory_of_the_published_31b(tmp_path):
 def _meta(config):
     with torch.device("meta"):
         return torchgemma.Gemma(config)
+
+
+# ── other sources and formats ───────────────────────────────────────────────────────────────
+
+
+def _against_one_process(tmp_path, folders: dict, *extra: str, load=None) -> dict:
+    """2 ranks' logits and tokens with ``extra`` worker flags, and one process's (``load``: its
+    load options)."""
+    with Ranks(tmp_path, 2, _args(folders, "logits", *extra), timeout=300) as ranks:
+        refs = {
+            name: logits_and_tokens(torchgemma.load(f, dtype=torch.float32, **(load or {})), seed_of(name))
+            for name, f in folders.items()
+        }
+        got = ranks.results()
+    return {name: (got[f"{name}.logits"], got[f"{name}.tokens"], ref) for name, ref in refs.items()}
+
+
+@pytest.mark.slow
+def test_gguf_files_split_dequantized(tmp_path):
+    """A GGUF file (its blocks dequantized, then each rank keeps its slices): the same tokens as
+    one process, logits within float32 reordering (measured up to 4e-4: these random models'
+    unit-scale norms amplify more than tests/checkpoints.py's)."""
+    from gguf_fixtures import random_model, write_gguf
+    from test_gguf import GEMMA4_STYLES
+
+    folders = {}
+    for style in ("e2b", "26b"):
+        folders[style] = tmp_path / f"{style}.gguf"
+        model = random_model("gemma4_text", GEMMA4_STYLES[style], seed=3)
+        write_gguf(folders[style], model, seed=1, extra_shared_kv=style == "e2b")
+    for name, (logits, tokens, ref) in _against_one_process(
+        tmp_path, folders, "--quantize", "none", load={"quantize": None}
+    ).items():
+        assert torch.equal(tokens, ref["tokens"]), name
+        assert (logits - ref["logits"]).abs().max() < 2e-3, name
+
+
+@pytest.mark.slow
+def test_int4_quantizes_each_ranks_whole_groups(tmp_path):
+    """int4 (groups of 32) on widths whose per-rank slices are whole groups: every rank quantizes
+    the groups one process does, so the tokens are the same."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from checkpoints import COMMON, randomize_
+    from checkpoints import STYLES as SHAPES
+
+    folders = {}
+    for style in ("31b", "26b"):
+        fields = {**COMMON, **SHAPES[style], "intermediate_size": 128, "moe_intermediate_size": 64}
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**fields))
+        randomize_(model, 7)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.05)
+        folders[style] = tmp_path / style
+        model.save_pretrained(folders[style])
+    for name, (logits, tokens, ref) in _against_one_process(
+        tmp_path, folders, "--quantize", "int4", load={"quantize": "int4"}
+    ).items():
+        assert torch.equal(tokens, ref["tokens"]), name
+        assert (logits - ref["logits"]).abs().max() < 2e-3, name

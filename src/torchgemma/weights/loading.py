@@ -166,9 +166,8 @@ def load(
                     '(each rank dequantizes its slices) or quantize="int4"'
                 )
             shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel)
-        model = _build(
-            checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None, shards
-        )
+        built = (checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None)
+        model = _build(*built) if shards is None else _build(*built, shards)
         model.language_model.set_experts(experts)
         return model
 
