@@ -223,10 +223,13 @@ def describe(
     total = count(everything)
     moe = text.num_experts is not None
     kv_layers = [s for s in text.layers if s.kv_role != "reuse"]
-    # Towers config.json describes that torchgemma does not build (Gemma 3's SigLIP, Gemma 3n's
-    # MobileNet-V5): not counted. Gemma 3n's conformer is built (config.gemma3n_audio).
+    # Towers config.json describes that torchgemma does not build (Gemma 3's SigLIP): not counted.
+    # Gemma 3n's conformer and MobileNet-V5 are built (config.gemma3n_audio, gemma3n_vision).
     source = config.source or {}
-    built = {"vision": config.vision_config, "audio": config.audio_config or config.gemma3n_audio}
+    built = {
+        "vision": config.vision_config or config.gemma3n_vision,
+        "audio": config.audio_config or config.gemma3n_audio,
+    }
     unbuilt = [name for name in ("vision", "audio") if source.get(f"{name}_config") and built[name] is None]
     return {
         "model_type": config.model_type,

@@ -178,10 +178,10 @@ class LLM:
 
     # ---- prompts (the processor's) --------------------------------------------------------------
 
-    def encode(self, prompt: str, audio: Sequence[Any] | None = None) -> list[int]:
-        """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained (Gemma 3n with
-        ``audio``: its placeholders expanded in the text first); see ``Processor.encode``."""
-        return self.processor.encode(prompt, audio)
+    def encode(self, prompt: str, audio: Sequence | None = None, images: Sequence | None = None) -> list[int]:
+        """Token ids of a raw prompt, starting with ``<bos>`` (Gemma 3n: placeholders of ``audio`` /
+        ``images`` expanded in the text first); see ``Processor.encode``."""
+        return self.processor.encode(prompt, audio, images)
 
     def chat_ids(
         self,
@@ -288,7 +288,7 @@ class LLM:
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         run = self._settings(sampling, settings, max_new_tokens, stats)
-        inputs = self.inputs([self.encode(p, audio) for p in prompts], images, audio, videos)
+        inputs = self.inputs([self.encode(p, audio, images) for p in prompts], images, audio, videos)
         texts = [self.tokenizer.decode(_without_stop(row, run.stops)) for row in self._collect(inputs, run)]
         return texts[0] if isinstance(prompt, str) else texts
 

@@ -73,14 +73,16 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = load_llm(args)
     load_seconds = time.perf_counter() - start
-    if args.audio and llm.model.config.gemma3n_audio is not None:
-        # Gemma 3n's tokenizer spells its audio placeholder its own way (<audio_soft_token>).
-        prompt = prompt.replace(AUDIO_PLACEHOLDER, llm.tokenizer.backend.id_to_token(llm.tokenizer.audio_id))
+    if llm.model.config.gemma3n_audio is not None:
+        # Gemma 3n's tokenizer spells its placeholders its own way (<audio_soft_token>, <image_soft_token>).
+        spell = llm.tokenizer.backend.id_to_token
+        prompt = prompt.replace(AUDIO_PLACEHOLDER, spell(llm.tokenizer.audio_id)) if args.audio else prompt
+        prompt = prompt.replace(IMAGE_PLACEHOLDER, spell(llm.tokenizer.image_id)) if args.image else prompt
     stats = GenerationStats()
     options = dict(images=args.image, audio=args.audio, videos=args.video)
     options.update(max_new_tokens=args.max_new_tokens, stats=stats, sampling=sampling_params(args, llm))
     if args.json:
-        ids = llm.generate_ids([llm.encode(prompt, args.audio)], **options)[0]
+        ids = llm.generate_ids([llm.encode(prompt, args.audio, args.image)], **options)[0]
         print(json.dumps(json_result(llm, ids, stats, load_seconds), ensure_ascii=False), flush=True)
         return 0
     for piece in llm.stream(prompt, **options):

@@ -1,5 +1,5 @@
 """The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``
-and the audio tower of ``gemma3n``.
+and of ``gemma3n``.
 
 Module names follow the checkpoint's tensor names with the ``model.`` prefix removed
 (``language_model.layers.3.self_attn.q_proj.weight``, ``vision_tower.encoder.layers.0...``,
@@ -15,6 +15,7 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from .audio import AudioTower
 from .gemma3n_audio import Gemma3nAudioEncoder
+from .gemma3n_vision import Gemma3nVisionTower
 from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
 from .text import TextModel
 from .unified import VisionEmbedder
@@ -57,6 +58,8 @@ class Gemma(nn.Module):
             self.embed_audio = MultimodalEmbedder(audio.audio_embed_dim, text.hidden_size, audio.rms_norm_eps)
         if config.gemma3n_audio is not None:  # its soft tokens go through language_model.embed_audio
             self.audio_tower = Gemma3nAudioEncoder(config.gemma3n_audio)
+        if config.gemma3n_vision is not None:  # its soft tokens go through language_model.embed_vision
+            self.vision_tower = Gemma3nVisionTower(config.gemma3n_vision)
 
     @property
     def takes_media(self) -> bool:
@@ -116,7 +119,11 @@ class Gemma(nn.Module):
         return input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
 
     def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
+        """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H).
+        Gemma 3n: images (n_images, 3, H, W) -> soft tokens (n_images * 256, H)."""
+        if self.config.gemma3n_vision is not None:
+            soft = self.language_model.embed_vision.soft(self.vision_tower(pixel_values))
+            return soft.reshape(-1, soft.shape[-1])
         if self.config.unified_vision is not None:
             if position_ids is None:
                 raise ValueError("pixel values need their patch positions (image_position_ids)")
@@ -201,11 +208,13 @@ class Gemma(nn.Module):
                     f"{pixel_values_videos.shape[0]} frames"
                 )
         if self.config.gemma3n_audio is not None:
-            if pixel_values is not None or pixel_values_videos is not None:
-                raise ValueError(
-                    f"images given, but this checkpoint has no vision tower ({self.towers_note})"
-                )
+            if pixel_values_videos is not None:
+                raise ValueError("Gemma 3n takes images and audio, not videos")
             embeds = self.language_model.embed(input_ids)
+            if pixel_values is not None:
+                soft = self.image_features(pixel_values, None)
+                mask = input_ids == self.config.gemma3n_vision.image_token_id
+                embeds = scatter_soft_tokens(embeds, mask, soft, "image")
             if input_features is not None:
                 soft = self.audio_features(input_features, input_features_mask)
                 mask = input_ids == self.config.gemma3n_audio.audio_token_id
@@ -259,9 +268,10 @@ class Gemma(nn.Module):
         ``<|video|>`` / ``<|audio|>`` placeholders in order. ``mm_token_type_ids`` ``(B, T)`` turns
         on bidirectional attention inside each image and each video frame on sliding layers, for
         checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B); pass it with the
-        prompt only. Gemma 3n: ``input_features`` / ``input_features_mask`` as
-        ``Gemma3nAudioFeatureExtractor`` returns them; each clip fills ``audio_soft_tokens_per_image``
-        (188) audio placeholders, in order.
+        prompt only. Gemma 3n: ``pixel_values`` (n_images, 3, 768, 768) as its image processor
+        returns them, each image filling ``vision_soft_tokens_per_image`` (256) image placeholders;
+        ``input_features`` / ``input_features_mask`` as ``Gemma3nAudioFeatureExtractor`` returns them,
+        each clip filling ``audio_soft_tokens_per_image`` (188) audio placeholders; in order.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
@@ -270,7 +280,7 @@ class Gemma(nn.Module):
             "input_features": input_features,
             "pixel_values_videos": pixel_values_videos,
         }
-        if self.config.gemma3n_audio is not None and input_features is not None:
+        if self.config.gemma3n_audio is not None and (input_features is not None or pixel_values is not None):
             embeds, _ = self.embed_multimodal(
                 input_ids,
                 pixel_values,

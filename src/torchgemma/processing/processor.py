@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from ..model.inputs import MediaInputs
 from ..tokenizer import Tokenizer, UnknownTokenError
 from ..tokenizer.chat_template import select_chat_template
-from . import gemma3n_audio
+from . import gemma3n_audio, gemma3n_image
 from .image import PATCH_SIZE, POOLING_KERNEL
 from .prompt import MediaTokens, collect_media, collect_videos, prepare_media_prompts
 from .unified import prepare_unified_prompts
@@ -89,15 +89,19 @@ class Processor:
         self._expand_media: Callable[[list[list[int]], list, list, list], ExpandedRows]
         self._unified = config.encoder_free  # embedders project media into the decoder, no towers
         self._gemma3n_soft_tokens: int | None = None  # Gemma 3n: per clip, expanded in the text
+        self._gemma3n_image_tokens: int | None = None  # Gemma 3n: per image, expanded in the text
         if config.gemma3n_audio is not None:
             self._expand_media = self._gemma3n_media
             self._gemma3n_soft_tokens = config.gemma3n_audio.soft_tokens_per_clip
+        if config.gemma3n_vision is not None:
+            self._gemma3n_image_tokens = config.gemma3n_vision.soft_tokens_per_image
         elif self._unified:
             self._expand_media = self._unified_media
         else:
             self._expand_media = self._gemma4_media
-        # Gemma 3n: chat templates with the audio placeholder expanded, by template (template_for).
-        self._expanded_templates: dict[str, str] = {}
+        # Gemma 3n: chat templates with the media placeholders expanded, by template and media kinds
+        # (template_for).
+        self._expanded_templates: dict[tuple[str, bool, bool], str] = {}
 
     @property
     def takes_audio(self) -> bool:
@@ -119,7 +123,7 @@ class Processor:
     ) -> ProcessedPrompt:
         """A raw prompt (text, encoded with ``encode``, or token ids) and the media filling its
         ``<|image|>`` / ``<|audio|>`` / ``<|video|>`` placeholders, in order."""
-        ids = self.encode(prompt, audio) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt, audio, images) if isinstance(prompt, str) else list(prompt)
         return self.process(ids, images, audio, videos)
 
     def chat(
@@ -142,6 +146,7 @@ class Processor:
             sanitize_control_tokens=sanitize_control_tokens,
             reply_prefix=reply_prefix,
             audio=audio,
+            images=images,
         )
         return self.process(ids, images, audio, collect_videos(messages))
 
@@ -179,15 +184,19 @@ class Processor:
 
     # ---- text -----------------------------------------------------------------------------------
 
-    def encode(self, prompt: str, audio: Sequence[Any] | None = None) -> list[int]:
+    def encode(
+        self, prompt: str, audio: Sequence[Any] | None = None, images: Sequence[Any] | None = None
+    ) -> list[int]:
         """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained.
 
         Gemma 4 tokenizers add no ``<bos>`` themselves (the chat template writes it), so it is added
-        here unless the prompt's text already begins with it. Gemma 3n with ``audio``: each audio
-        placeholder is expanded in the text first, as its processor does.
+        here unless the prompt's text already begins with it. Gemma 3n with ``audio`` / ``images``:
+        each audio / image placeholder is expanded in the text first, as its processor does.
         """
         if audio and self._gemma3n_soft_tokens is not None:
             prompt = gemma3n_audio.expand_audio_text(prompt, self.tokenizer, self._gemma3n_soft_tokens)
+        if images and self._gemma3n_image_tokens is not None:
+            prompt = gemma3n_image.expand_image_text(prompt, self.tokenizer, self._gemma3n_image_tokens)
         ids = self.tokenizer.encode(prompt)
         try:
             bos = self.tokenizer.bos_id
@@ -221,9 +230,10 @@ class Processor:
         sanitize_control_tokens: bool = True,
         reply_prefix: str = "",
         audio: Sequence[Any] = (),
+        images: Sequence[Any] = (),
     ) -> list[int]:
         """``chat_ids`` ready for ``process``: Gemma 3n's template writes each of the ``audio`` clips'
-        placeholders expanded, as Gemma3nProcessor's does; ``reply_prefix`` is text the reply is made
+        and ``images``' placeholders expanded, as Gemma3nProcessor's does; ``reply_prefix`` is text the reply is made
         to start with (``replies.forced_call_prefix``), written after the generation prompt.
 
         ``sanitize_control_tokens``: control tokens typed in the messages (``<turn|>``, ``<|image|>``)
@@ -235,26 +245,38 @@ class Processor:
             enable_thinking=enable_thinking,
             tools=tools,
             sanitize_control_tokens=sanitize_control_tokens,
-            chat_template=self.template_for(audio, tools),
+            chat_template=self.template_for(audio, tools, images),
         )
         if reply_prefix:
             ids = ids + self.tokenizer.encode(reply_prefix, add_special_tokens=False)
         return ids
 
-    def template_for(self, audio: Sequence[Any], tools: Sequence[Any] | None = None) -> str | None:
-        """The chat template a conversation with these audio clips (and ``tools``) renders with: None
-        (the tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in
-        the text. Expanded once per template, on first use."""
-        if not audio or self._gemma3n_soft_tokens is None:
+    def template_for(
+        self, audio: Sequence[Any], tools: Sequence[Any] | None = None, images: Sequence[Any] = ()
+    ) -> str | None:
+        """The chat template a conversation with these audio clips and images (and ``tools``) renders
+        with: None (the tokenizer's own) except for Gemma 3n with audio or images, whose placeholders
+        render expanded in the text. Expanded once per template, on first use."""
+        with_audio = bool(audio) and self._gemma3n_soft_tokens is not None
+        with_images = bool(images) and self._gemma3n_image_tokens is not None
+        if not with_audio and not with_images:
             return None
         template = select_chat_template(
             self.tokenizer.chat_template, tools=tools, source=self.tokenizer.name_or_path
         )
-        if template not in self._expanded_templates:
-            self._expanded_templates[template] = gemma3n_audio.expand_audio_in_template(
-                template, self.tokenizer, self._gemma3n_soft_tokens
-            )
-        return self._expanded_templates[template]
+        key = (template, with_audio, with_images)
+        if key not in self._expanded_templates:
+            expanded = template
+            if with_audio:
+                expanded = gemma3n_audio.expand_audio_in_template(
+                    expanded, self.tokenizer, self._gemma3n_soft_tokens
+                )
+            if with_images:
+                expanded = gemma3n_image.expand_image_in_template(
+                    expanded, self.tokenizer, self._gemma3n_image_tokens
+                )
+            self._expanded_templates[key] = expanded
+        return self._expanded_templates[key]
 
     # ---- media, by family -----------------------------------------------------------------------
 
@@ -293,23 +315,31 @@ class Processor:
         return ExpandedRows(prepared.pop("input_ids"), prepared.pop("mm_token_type_ids"), prepared)
 
     def _gemma3n_media(self, rows: list[list[int]], images: list, audio: list, videos: list) -> ExpandedRows:
-        """Prompts whose audio placeholders are already expanded (``encode`` and ``render_chat``
-        expand them in the text, as Gemma3nProcessor), and the clips' features."""
+        """Prompts whose audio and image placeholders are already expanded (``encode`` and
+        ``render_chat`` expand them in the text, as Gemma3nProcessor), the clips' features and the
+        images' pixels."""
         tokens = self._media_tokens(images, audio, videos)
-        soft = self._gemma3n_soft_tokens
-        found = sum(row.count(tokens.audio) for row in rows)
-        if found != soft * len(audio):
-            raise ValueError(
-                f"the prompts hold {found} audio placeholder tokens but {len(audio)} clips need "
-                f"{soft} each: Gemma 3n prompts take each clip's placeholder expanded in the text "
-                "(LLM.chat and LLM.generate do this; see processing.gemma3n_audio.expand_audio_text)"
-            )
-        # The feature extractor's settings, read at the first clip (a setting torchgemma does not
+        media: dict[str, Any] = {}
+        for kind, placeholder, given, soft, helper in (
+            ("audio", tokens.audio, audio, self._gemma3n_soft_tokens, "gemma3n_audio.expand_audio_text"),
+            ("image", tokens.image, images, self._gemma3n_image_tokens, "gemma3n_image.expand_image_text"),
+        ):
+            found = sum(row.count(placeholder) for row in rows)
+            if given and found != soft * len(given):
+                raise ValueError(
+                    f"the prompts hold {found} {kind} placeholder tokens but {len(given)} {kind} inputs need "
+                    f"{soft} each: Gemma 3n prompts take each placeholder expanded in the text "
+                    f"(LLM.chat and LLM.generate do this; see processing.{helper})"
+                )
+        # The processors' settings, read at the first clip or image (a setting torchgemma does not
         # compute is refused then, not when a text-only use loads the checkpoint).
         folder = self._settings_folder
-        settings = gemma3n_audio.feature_settings(folder) if folder is not None else {}
-        features = gemma3n_audio.process_audio_gemma3n(audio, **settings)
-        return ExpandedRows(rows, None, features)
+        if audio:
+            settings = gemma3n_audio.feature_settings(folder) if folder is not None else {}
+            media.update(gemma3n_audio.process_audio_gemma3n(audio, **settings))
+        if images:
+            media.update(gemma3n_image.process_images_gemma3n(images, gemma3n_image.image_settings(folder)))
+        return ExpandedRows(rows, None, media)
 
     def _media_tokens(self, images: list, audio: list, videos: list) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
@@ -326,6 +356,9 @@ class Processor:
                     raise ValueError(
                         f"this gemma4_unified checkpoint has no {kind}_config: it cannot take {kind} input"
                     )
+        elif config.gemma3n_vision is not None:
+            if videos:
+                raise ValueError("Gemma 3n takes images and audio, not videos")
         elif visual and vision is None:
             raise ValueError(
                 f"this checkpoint has no vision tower torchgemma builds ({self.towers_note}): "
@@ -350,9 +383,12 @@ class Processor:
         # The model fills the positions of its config's ids; the tokenizer must write the same ones.
         named = [("image", tokens.image), ("audio", tokens.audio)]
         expected = config.token_ids
-        if config.gemma3n_audio is not None:  # Gemma 3n: audio only; its id is in the audio config
-            named = [("audio", tokens.audio)]
+        if config.gemma3n_audio is not None:  # Gemma 3n: the ids are in its tower configs
             expected = {"audio_token_id": config.gemma3n_audio.audio_token_id}
+            named = [("audio", tokens.audio)] if audio else []
+            if config.gemma3n_vision is not None:
+                expected["image_token_id"] = config.gemma3n_vision.image_token_id
+                named += [("image", tokens.image)] if images else []
         if videos:
             if tokens.video is None:
                 raise ValueError("the tokenizer has no <|video|> token: it cannot take videos")

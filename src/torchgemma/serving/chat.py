@@ -120,6 +120,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
             tools=tools,
             sanitize_control_tokens=True,
             audio=audio,
+            images=images,
         )
     except Exception as error:  # noqa: BLE001 - the template's own message says what is wrong
         raise bad_request(f"the chat template rejected the messages: {error}", "messages") from error

@@ -160,6 +160,8 @@ class ServerState:
     def takes_images(self) -> bool:
         """Whether the model has a vision tower torchgemma builds (or gemma4_unified's embedder)."""
         config = self.llm.model.config
+        if config.gemma3n_vision is not None:
+            return True
         return (config.unified_vision if config.encoder_free else config.vision_config) is not None
 
     @property
