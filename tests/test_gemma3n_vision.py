@@ -97,6 +97,31 @@ def test_tower_equals_timm(towers, dtype):
     ref.float(), ours.float()
 
 
+@pytest.mark.slow  # 294M parameters twice, at 768 px: ~1 min
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_published_tower_equals_timm_at_768px(dtype):
+    """The published MobileNet-V5 at the published size (768 px in, 16x16 soft tokens out:
+    the stem's padding, key/value strides, the adapter's 48 -> 16 average pooling), random weights."""
+    ref = mobilenetv5()
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for param in ref.parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1 + 0.2 * noise if param.ndim == 1 else noise / max(1, param[0].numel()) ** 0.5)
+    ours = Gemma3nVisionTower(vision_config_from_hf(None, {})).eval()
+    ours.timm_model.load_state_dict(ref.state_dict(), strict=True)
+    pixels = torch.rand(1, 3, 768, 768, generator=gen).to(dtype)
+    with torch.no_grad():
+        expected = ref.to(dtype).forward_features(pixels)
+        got = ours.to(dtype).timm_model(pixels)
+    assert got.shape == expected.shape == (1, 2048, 16, 16)
+    assert torch.isfinite(expected).all()
+    if dtype == torch.float32:
+        assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+    else:
+        assert torch.equal(got, expected)
+
+
 # ── the image processor against SiglipImageProcessorPil ───────────────────────────────────────
 
 
@@ -376,3 +401,40 @@ def test_server_chat_with_an_image_url(llm_folder):
     expected = llm.chat(MESSAGES, max_new_tokens=6, temperature=0)
     assert reply.choices[0].message.content == content_of(llm, expected.token_ids)
     assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+# ── llama.cpp's mmproj names ─────────────────────────────────────────────────────────────────────
+
+
+def test_mmproj_names_undo_llama_cpp_conversion():
+    """Every tensor of the published tower and the vision embedder: the name llama.cpp's converter
+    gives it (gguf.tensor_mapping for the stem, adapter and embedder; its block table, which keeps
+    timm's suffix, for the blocks) maps back to the checkpoint name; the stem's (1, C, 1, 1) bias too.
+    (Checked once by hand against the converter's own output: see weights/gguf/mmproj_names.py.)"""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    from torchgemma.weights.gguf.mmproj_names import gemma3n_vision_name, gemma3n_vision_tensor
+
+    with torch.device("meta"):
+        tower = Gemma3nVisionTower(vision_config_from_hf(None, {}))
+    names = ["model.vision_tower." + name for name in tower.state_dict()]
+    names += [
+        f"model.embed_vision.{n}.weight" for n in ("embedding", "hard_embedding_norm", "soft_embedding_norm")
+    ]
+    names.append("model.embed_vision.embedding_projection.weight")
+    mapping = get_tensor_name_map(MODEL_ARCH.MMPROJ, 1)
+    for name in names:
+        if name.startswith("model.vision_tower.timm_model.blocks."):
+            stage, block, suffix = name.split(".", 6)[4:]
+            theirs = f"v.blk.{stage}.{block}.{suffix}"
+        else:
+            theirs = mapping.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gemma3n_vision_name(theirs) == name, (name, theirs)
+    assert gemma3n_vision_name("v.blk.0.0.unknown.weight") is None
+    assert gemma3n_vision_name("a.conv1d.0.weight") is None
+    bias = torch.arange(4.0).reshape(1, 4, 1, 1)
+    assert torch.equal(gemma3n_vision_tensor("x.conv_stem.conv.bias", bias), torch.arange(4.0))
+    gamma = torch.arange(4.0)  # written before the converter's reshape: as in the checkpoint
+    assert gemma3n_vision_tensor("x.blocks.1.0.layer_scale.gamma", gamma) is gamma
+    with pytest.raises(ValueError, match="expected the converter's"):
+        gemma3n_vision_tensor("x.conv_stem.conv.bias", torch.zeros(4))
