@@ -185,6 +185,7 @@ class MultiQueryAttention2d(nn.Module):
         query = query.transpose(-1, -2).contiguous()  # (B, heads, HW, d)
         key = self.key(x).reshape(batch, self.key_dim, -1).transpose(1, 2).unsqueeze(1).contiguous()
         value = self.value(x).reshape(batch, self.key_dim, -1).transpose(1, 2).unsqueeze(1).contiguous()
+        # timm's default path (fused attention); transformers' attn_implementation does not reach it.
         out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, HW, d); keys (B, 1, hw, d)
         out = out.transpose(1, 2).reshape(batch, height, width, -1).permute(0, 3, 1, 2).contiguous()
         return self.output.proj(out)
@@ -284,6 +285,10 @@ class Gemma3nVisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> soft tokens (B, side², hidden_size), scaled by √hidden_size as the
         reference does before the embedder."""
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != 3:
+            raise ValueError(
+                f"Gemma 3n's pixel values must be (images, 3, height, width), got {tuple(pixel_values.shape)}"
+            )
         weight = self.timm_model.conv_stem.conv.weight
         features = self.timm_model(pixel_values.to(weight.device, weight.dtype))
         batch, hidden = features.shape[:2]
