@@ -5,8 +5,9 @@ Gemma 3n's processor uses SigLIP's image processor: every image resized (PIL) to
 channels first. This matches transformers' ``SiglipImageProcessorPil`` (5.23) with the checkpoint's
 settings (``preprocessor_config.json``, or ``processor_config.json``'s ``image_processor``) to the bit;
 no torchvision. Images are read as for Gemma 4 (processing/image.py: files with EXIF orientation,
-transparency onto white). A float image (values in [0, 1]) is first quantised to uint8, as
-transformers' resize does.
+transparency onto white). A float image (intensities in [0, 1]) is quantised to uint8 first, as
+transformers' resize quantises it; transformers would then rescale its result by 1/255 a second time
+(it warns of that), which is not done here: the tests compare uint8 images.
 """
 
 from __future__ import annotations
