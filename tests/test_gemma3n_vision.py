@@ -163,6 +163,32 @@ def test_images_equal_siglip_processor(tmp_path, settings):
     assert torch.equal(ours, theirs["pixel_values"])
 
 
+def test_image_settings_are_read_and_refused_by_name(tmp_path):
+    from torchgemma.processing.gemma3n_image import image_settings
+
+    assert image_settings(None) == {} == image_settings(tmp_path)
+    nested = {
+        "image_processor": {"size": {"height": 32, "width": 48}, "do_normalize": False, "crop_size": None}
+    }
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    assert image_settings(tmp_path) == {"size": {"height": 32, "width": 48}, "do_normalize": False}
+    image = np.full((10, 20, 3), 255, np.uint8)
+    assert process_images_gemma3n(image, image_settings(tmp_path))["pixel_values"].shape == (1, 3, 32, 48)
+    floats = process_images_gemma3n(image.astype(np.float32) / 255, {"do_normalize": False})["pixel_values"]
+    assert floats.shape == (1, 3, 768, 768) and floats.max().item() == 1.0  # intensities, rescaled once
+    for bad, message in (
+        ({"do_pad": True}, "do_pad is True; torchgemma supports False"),
+        ({"do_center_crop": True}, "do_center_crop is True"),
+        ({"size": {"shortest_edge": 768}}, "size must be"),
+        ({"resample": 9}, "resample 9 is not a PIL filter"),
+    ):
+        (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": bad}))
+        with pytest.raises(ValueError, match=message):
+            image_settings(tmp_path)
+    with pytest.raises(ValueError, match="different sizes"):
+        process_images_gemma3n([image, image[:5]], {"do_resize": False})
+
+
 # ── the model with images against transformers ──────────────────────────────────────────────────
 
 
