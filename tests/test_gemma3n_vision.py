@@ -406,20 +406,53 @@ def test_cli_generate_with_an_image_equals_transformers(llm_folder, tmp_path, ca
     assert len(got) > 0
 
 
-@pytest.mark.slow  # a server and the OpenAI client: 6 s; the image path's own parts run above
-def test_server_chat_with_an_image_url(llm_folder):
-    """An image_url part (a data URL) is the same image LLM.chat takes: the same reply."""
+def png_data_url(image: np.ndarray) -> str:
     import base64
     import io
 
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_handler_takes_an_image_url(llm_folder):
+    """The server's chat handler (no socket): an image_url part is the image LLM.chat takes."""
+    import asyncio
+
+    from torchgemma.serving.chat import create_chat_completion
+    from torchgemma.serving.protocol import ChatCompletionRequest
+    from torchgemma.serving.state import ServerState
+
+    llm = torchgemma.LLM(llm_folder, progress=False)
+    expected = llm.chat(MESSAGES, max_new_tokens=6, temperature=0)
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(picture(11))}},
+        {"type": "text", "text": "What is shown?"},
+    ]
+    body = ChatCompletionRequest(
+        model="g3n", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=6
+    )
+    loop = asyncio.new_event_loop()
+    state = ServerState.build(llm, model_name="g3n", max_len=512)
+    try:
+        response = loop.run_until_complete(create_chat_completion(state, body))
+    finally:
+        state.close()
+        loop.close()
+    assert response["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert response["usage"]["prompt_tokens"] == len(llm.chat_inputs(MESSAGES)["input_ids"][0])
+    assert response["choices"][0]["message"]["content"].strip() == expected.text.strip()
+
+
+@pytest.mark.slow  # a server and the OpenAI client: 6 s; the handler's test above runs by default
+def test_server_chat_with_an_image_url(llm_folder):
+    """An image_url part (a data URL) is the same image LLM.chat takes: the same reply."""
     import openai
 
     from serving_fixtures import content_of, running_server
     from torchgemma.serving.app import create_app
 
-    buffer = io.BytesIO()
-    Image.fromarray(picture(11)).save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = png_data_url(picture(11))
     llm = torchgemma.LLM(llm_folder, progress=False)
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is shown?"}]
     with running_server(create_app(llm, model_name="g3n", max_len=512)) as base:
