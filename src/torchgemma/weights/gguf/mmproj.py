@@ -2,7 +2,8 @@
 
 llama.cpp keeps a model's towers in a second file, the mmproj (``general.architecture`` "clip"),
 that names each tower's projector type. ``MultimodalGGUF`` reads the pair as the Hugging Face
-checkpoint they were converted from: the config (``Gemma4ForConditionalGeneration``: the text
+checkpoint they were converted from: the config (``Gemma4ForConditionalGeneration``,
+``Gemma3ForConditionalGeneration``...: the text
 config from the model file, the towers' configs from the mmproj's metadata and tensor shapes, the
 media token ids from the model file's vocabulary) and every tensor under its Hugging Face name. The
 text tensors read as ``GGUFCheckpoint`` reads them (kept as grouped integers where
@@ -129,9 +130,16 @@ class MmprojFile:
                 f"tower of llama.cpp's names, e.g. {', '.join(unknown[:5])}"
             )
 
-    def configs(self) -> dict[str, dict]:
-        """``{"vision_config": {...}, "audio_config": {...}}`` for the towers the file holds."""
-        return dict(tower.config(self.metadata, self.file.tensors, self.name) for tower in self.towers)
+    def configs(self) -> dict[str, Any]:
+        """``{"vision_config": {...}, "audio_config": {...}}`` for the towers the file holds (and
+        their top-level fields, such as Gemma 3's ``mm_tokens_per_image``)."""
+        out = {}
+        for tower in self.towers:
+            key, config = tower.config(self.metadata, self.file.tensors, self.name)
+            out[key] = config
+            if tower.top_level is not None:
+                out.update(tower.top_level(self.metadata, self.file.tensors, self.name))
+        return out
 
     def projection_width(self, tower: TowerNames) -> int | None:
         """The text width the tower's soft tokens are projected into (``clip.*.projection_dim``)."""

@@ -4,11 +4,11 @@ llama.cpp ships a model's vision and audio towers apart from its text model, in 
 (``general.architecture`` "clip") that ``convert_hf_to_gguf.py --mmproj`` writes. Each tower is
 named by its projector type (``clip.vision.projector_type`` / ``clip.audio.projector_type``). The
 tables here are those of the converter that llama-cpp-python 0.3.36 vendors
-(conversion/gemma.py: ``Gemma4VisionAudioModel``; gguf-py's tensor_mapping; tools/mtmd/clip.cpp,
+(conversion/gemma.py: ``Gemma4VisionAudioModel``, ``Gemma3VisionModel``; gguf-py's tensor_mapping; tools/mtmd/clip.cpp,
 which reads them), checked against that converter's own output of a tiny checkpoint
 (tests/data/make_mmproj_fixture.py).
 
-Adding a tower (Gemma 3's SigLIP, ``gemma3``; Gemma 3n's ``gemma3nv`` / ``gemma3na``): write its
+Adding a tower (Gemma 3n's ``gemma3nv`` / ``gemma3na``): write its
 ``TowerNames`` (the converter's per-layer and global names to the checkpoint's, the converter's
 changes undone by ``Transform``s, e.g. Gemma 3's ``soft_emb_norm`` stored as ``1 + w``, and the
 Hugging Face ``{vision,audio}_config`` its metadata and tensor shapes give), register it in
@@ -107,6 +107,8 @@ class TowerNames:
     clip_bounds: bool = False
     # The MultimodalLayout (LAYOUTS) the towers and the text model make together.
     layout: str = "gemma4"
+    # Top-level config.json fields of this tower (Gemma 3's mm_tokens_per_image), as ``config``.
+    top_level: Callable[[Mapping[str, Any], Mapping[str, _TensorInfo], str], dict] | None = None
 
     def owns(self, name: str) -> bool:
         return name in self.globals or name.startswith(self.layer_prefix)
@@ -316,8 +318,66 @@ UNIFIED_AUDIO = TowerNames(
     layout="gemma4_unified",
 )
 
+
+def _gemma3_vision_config(meta: Mapping[str, Any], tensors: Mapping[str, _TensorInfo], fname: str):
+    """SigLIP's sizes (Gemma3VisionModel writes them); transformers' SiglipVisionConfig fields."""
+    m = lambda key, default=None: clip_meta(meta, "vision", key, fname, default)  # noqa: E731
+    return "vision_config", {
+        "hidden_size": m("embedding_length"),
+        "intermediate_size": m("feed_forward_length"),
+        "num_hidden_layers": m("block_count"),
+        "num_attention_heads": m("attention.head_count"),
+        "image_size": m("image_size"),
+        "patch_size": m("patch_size"),
+        "layer_norm_eps": m("attention.layer_norm_epsilon", 1e-6),
+    }
+
+
+def _gemma3_soft_tokens(meta: Mapping[str, Any], tensors: Mapping[str, _TensorInfo], fname: str) -> dict:
+    """Soft tokens per image: the patch grid average-pooled by ``clip.vision.projector.scale_factor``
+    per side (the converter writes it only when it is not 4, Gemma 3's 64 -> 16; clip.cpp's default)."""
+    m = lambda key, default=None: clip_meta(meta, "vision", key, fname, default)  # noqa: E731
+    side = m("image_size") // m("patch_size") // m("projector.scale_factor", 4)
+    return {"mm_tokens_per_image": side * side}
+
+
+# Gemma 3 4B-27B (Gemma3VisionModel): SigLIP's layers, then the projector (a (1 + w) RMSNorm, which
+# the converter stores as 1 + w, and a bare matrix, written with ".weight").
+_SIGLIP_LAYER = {
+    "ln1": "layer_norm1",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_out": "self_attn.out_proj",
+    "ln2": "layer_norm2",
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_SIGLIP_GLOBAL = {
+    "v.patch_embd": "model.vision_tower.embeddings.patch_embedding",
+    "v.position_embd": "model.vision_tower.embeddings.position_embedding",
+    "v.post_ln": "model.vision_tower.post_layernorm",
+}
+GEMMA3_VISION = TowerNames(
+    projector="gemma3",
+    modality="vision",
+    models=("gemma3",),
+    layer_prefix="v.blk.",
+    hf_layer_prefix="model.vision_tower.encoder.layers.",
+    layer={f"{g}.{leaf}": f"{hf}.{leaf}" for g, hf in _SIGLIP_LAYER.items() for leaf in ("weight", "bias")},
+    globals={
+        **{f"{g}.{leaf}": f"{hf}.{leaf}" for g, hf in _SIGLIP_GLOBAL.items() for leaf in ("weight", "bias")},
+        "mm.soft_emb_norm.weight": "model.multi_modal_projector.mm_soft_emb_norm.weight",
+        "mm.input_projection.weight": "model.multi_modal_projector.mm_input_projection_weight",
+    },
+    transforms={"mm.soft_emb_norm.weight": Transform(lambda t: t - 1.0, lambda s: s)},
+    config=_gemma3_vision_config,
+    layout="gemma3",
+    top_level=_gemma3_soft_tokens,
+)
+
 TOWERS: dict[str, TowerNames] = {
-    t.projector: t for t in (GEMMA4_VISION, GEMMA4_AUDIO, UNIFIED_VISION, UNIFIED_AUDIO)
+    t.projector: t for t in (GEMMA4_VISION, GEMMA4_AUDIO, UNIFIED_VISION, UNIFIED_AUDIO, GEMMA3_VISION)
 }
 
 
@@ -368,6 +428,17 @@ LAYOUTS: dict[str, MultimodalLayout] = {
         architecture="Gemma4UnifiedForConditionalGeneration",
         media_tokens=GEMMA4_MEDIA_TOKENS,
         text_fields=lambda text, towers: {"use_bidirectional_attention": "vision"},
+    ),
+    # Gemma 3 4B-27B: image blocks attend both ways on every layer (config/gemma3.py sets that for
+    # every gemma3 checkpoint; llama.cpp: mtmd_decode_use_non_causal for gemma3).
+    "gemma3": MultimodalLayout(
+        model_type="gemma3",
+        architecture="Gemma3ForConditionalGeneration",
+        media_tokens={
+            "boi_token_index": "<start_of_image>",
+            "eoi_token_index": "<end_of_image>",
+            "image_token_index": "<image_soft_token>",
+        },
     ),
 }
 
