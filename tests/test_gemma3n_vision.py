@@ -471,11 +471,12 @@ def test_server_chat_with_an_image_url(llm_folder):
 def test_mmproj_names_undo_llama_cpp_conversion():
     """Every tensor of the published tower and the vision embedder: the name llama.cpp's converter
     gives it (gguf.tensor_mapping for the stem, adapter and embedder; its block table, which keeps
-    timm's suffix, for the blocks) maps back to the checkpoint name; the stem's (1, C, 1, 1) bias too.
-    (Checked once by hand against the converter's own output: see weights/gguf/mmproj_names.py.)"""
+    timm's suffix, for the blocks) maps back to the checkpoint name through the gemma3nv
+    ``TowerNames``; the stem's (1, C, 1, 1) bias too. (Checked once by hand against the converter's
+    own output: see weights/gguf/mmproj_names.py.)"""
     from gguf import MODEL_ARCH, get_tensor_name_map
 
-    from torchgemma.weights.gguf.mmproj_names import gemma3n_vision_name, gemma3n_vision_tensor
+    from torchgemma.weights.gguf.mmproj_names import GEMMA3N_VISION
 
     with torch.device("meta"):
         tower = Gemma3nVisionTower(vision_config_from_hf(None, {}))
@@ -491,12 +492,13 @@ def test_mmproj_names_undo_llama_cpp_conversion():
             theirs = f"v.blk.{stage}.{block}.{suffix}"
         else:
             theirs = mapping.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gemma3n_vision_name(theirs) == name, (name, theirs)
-    assert gemma3n_vision_name("v.blk.0.0.unknown.weight") is None
-    assert gemma3n_vision_name("a.conv1d.0.weight") is None
+        assert GEMMA3N_VISION.hf_name(theirs)[0] == name, (name, theirs)
+    for unknown in ("v.blk.0.0.unknown.weight", "v.blk.0.conv_exp.weight", "a.conv1d.0.weight"):
+        assert GEMMA3N_VISION.hf_name(unknown) is None
+    _, stem = GEMMA3N_VISION.hf_name("v.conv_stem.conv.bias")
     bias = torch.arange(4.0).reshape(1, 4, 1, 1)
-    assert torch.equal(gemma3n_vision_tensor("x.conv_stem.conv.bias", bias), torch.arange(4.0))
-    gamma = torch.arange(4.0)  # written before the converter's reshape: as in the checkpoint
-    assert gemma3n_vision_tensor("x.blocks.1.0.layer_scale.gamma", gamma) is gamma
+    assert torch.equal(stem.apply(bias), torch.arange(4.0)) and stem.shape((1, 4, 1, 1)) == (4,)
+    # Layer scales are written before the converter's reshape: as in the checkpoint, untouched.
+    assert GEMMA3N_VISION.hf_name("v.blk.1.0.layer_scale.gamma")[1] is None
     with pytest.raises(ValueError, match="expected the converter's"):
-        gemma3n_vision_tensor("x.conv_stem.conv.bias", torch.zeros(4))
+        stem.apply(torch.zeros(4))

@@ -15,14 +15,14 @@ import torch
 
 from ...config import SiglipVisionConfig
 from ...config.gemma3 import siglip_from_hf
-from .mmproj import MmprojFile, _hf_name
+from .mmproj import MmprojFile
 from .mmproj_names import GEMMA3_VISION
 from .reader import GGUFError, _GGUFFile
 
 
 def module_path(name: str) -> str:
     """The module path (``Gemma``'s, as ``state_dict`` names it) of an mmproj tensor name."""
-    found = _hf_name(GEMMA3_VISION, name) if GEMMA3_VISION.owns(name) else None
+    found = GEMMA3_VISION.hf_name(name)
     if found is None:
         raise GGUFError(f"mmproj tensor {name!r} is not part of Gemma 3's vision tower")
     return found[0].removeprefix("model.")

@@ -27,7 +27,7 @@ import torch
 from ...config import ConfigError, ModelConfig
 from .blocks import SUPPORTED_TYPES, NonFiniteWeights, dequantize
 from .checkpoint import GGUFCheckpoint, _model_shapes, read_gguf
-from .mmproj_names import BOUNDS, LAYOUTS, SCALAR, TOWERS, MultimodalLayout, TowerNames, Transform
+from .mmproj_names import BOUNDS, LAYOUTS, TOWERS, MultimodalLayout, TowerNames, Transform
 from .reader import GGUFError, _GGUFFile
 
 
@@ -70,23 +70,6 @@ def _projectors(file: _GGUFFile) -> list[TowerNames]:
     return towers
 
 
-def _hf_name(tower: TowerNames, name: str) -> tuple[str, Transform | None] | None:
-    """The Hugging Face name of one mmproj tensor of ``tower`` and the transform that undoes the
-    converter's change, or None if the table has no such name."""
-    if name in tower.globals:
-        return tower.globals[name], tower.transforms.get(name)
-    layer, _, suffix = name.removeprefix(tower.layer_prefix).partition(".")
-    if not layer.isdigit() or str(int(layer)) != layer:
-        return None
-    if suffix in tower.layer:
-        return f"{tower.hf_layer_prefix}{layer}.{tower.layer[suffix]}", tower.transforms.get(suffix)
-    base, _, bound = suffix.rpartition(".")
-    hf_weight = tower.layer.get(f"{base}.weight", "")
-    if tower.clip_bounds and bound in BOUNDS and hf_weight.endswith(".linear.weight"):
-        return f"{tower.hf_layer_prefix}{layer}.{hf_weight.removesuffix('linear.weight')}{bound}", SCALAR
-    return None
-
-
 def _gguf_name(towers: list[TowerNames], hf_name: str) -> str:
     """The mmproj name llama.cpp's converter gives a Hugging Face tower tensor (for errors)."""
     for tower in towers:
@@ -94,7 +77,8 @@ def _gguf_name(towers: list[TowerNames], hf_name: str) -> str:
             if hf == hf_name:
                 return gguf
         if hf_name.startswith(tower.hf_layer_prefix):
-            layer, _, rest = hf_name.removeprefix(tower.hf_layer_prefix).partition(".")
+            parts = hf_name.removeprefix(tower.hf_layer_prefix).split(".", tower.layer_depth)
+            layer, rest = ".".join(parts[:-1]), parts[-1]
             for suffix, hf in tower.layer.items():
                 if rest == hf:
                     return f"{tower.layer_prefix}{layer}.{suffix}"
@@ -114,7 +98,7 @@ class MmprojFile:
         self.entries: list[_TowerEntry] = []
         unknown = []
         for name, info in file.tensors.items():
-            found = next((m for t in self.towers if t.owns(name) and (m := _hf_name(t, name))), None)
+            found = next((m for t in self.towers if (m := t.hf_name(name))), None)
             if found is None:
                 unknown.append(name)
                 continue

@@ -17,14 +17,12 @@ Hugging Face ``{vision,audio}_config`` its metadata and tensor shapes give), reg
 with it: mmproj.py refuses tensors no table names and checks every tensor against the model the
 config builds. Test it on llama.cpp's own conversion: tests/data/make_mmproj_fixture.py.
 
-Gemma 3n's vision names (``gemma3n_vision_name``, ``gemma3n_vision_tensor``, below) are not yet a
-registered ``TowerNames``: its blocks are numbered by stage and block, two levels.
+Gemma 3n's vision tower (``GEMMA3N_VISION``, below) is named but not yet registered in ``TOWERS``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,9 +107,30 @@ class TowerNames:
     layout: str = "gemma4"
     # Top-level config.json fields of this tower (Gemma 3's mm_tokens_per_image), as ``config``.
     top_level: Callable[[Mapping[str, Any], Mapping[str, _TensorInfo], str], dict] | None = None
+    # How many indices number a layer: 2 for MobileNet-V5's blocks (stage.block).
+    layer_depth: int = 1
 
     def owns(self, name: str) -> bool:
         return name in self.globals or name.startswith(self.layer_prefix)
+
+    def hf_name(self, name: str) -> tuple[str, Transform | None] | None:
+        """The Hugging Face name of one mmproj tensor of this tower and the transform that undoes
+        the converter's change, or None if the table has no such name."""
+        if name in self.globals:
+            return self.globals[name], self.transforms.get(name)
+        if not name.startswith(self.layer_prefix):
+            return None
+        parts = name.removeprefix(self.layer_prefix).split(".", self.layer_depth)
+        if len(parts) <= self.layer_depth or not all(p.isdigit() and str(int(p)) == p for p in parts[:-1]):
+            return None
+        layer, suffix = ".".join(parts[:-1]), parts[-1]
+        if suffix in self.layer:
+            return f"{self.hf_layer_prefix}{layer}.{self.layer[suffix]}", self.transforms.get(suffix)
+        base, _, bound = suffix.rpartition(".")
+        hf_weight = self.layer.get(f"{base}.weight", "")
+        if self.clip_bounds and bound in BOUNDS and hf_weight.endswith(".linear.weight"):
+            return f"{self.hf_layer_prefix}{layer}.{hf_weight.removesuffix('linear.weight')}{bound}", SCALAR
+        return None
 
 
 def clip_meta(metadata: Mapping[str, Any], modality: str, key: str, fname: str, default: Any = None) -> Any:
@@ -450,24 +469,11 @@ LAYOUTS: dict[str, MultimodalLayout] = {
 # (it means to do so for layer scales too, but those are all in blocks, which it names and writes
 # before that step). Its block table has no dw_end (the published blocks have none). Checked against
 # that converter's output for a tiny checkpoint (llama-cpp-python 0.3.36's, by hand: CI has no
-# llama.cpp): every tensor maps back, values equal.
+# llama.cpp): every tensor maps back, values equal. Not in TOWERS yet: the converter writes the
+# audio conformer (gemma3na) into the same file, and the block list (strides, kernel sizes, heads),
+# which llama.cpp infers from the tensors (clip.cpp, mobilenetv5.cpp), has no config function here.
 
 _TOWER = "model.vision_tower.timm_model."
-# gguf.tensor_mapping's Gemma 3n entries (the converter maps these names through it).
-GEMMA3N_VISION_NAMES = {
-    "v.conv_stem.conv.weight": _TOWER + "conv_stem.conv.weight",
-    "v.conv_stem.conv.bias": _TOWER + "conv_stem.conv.bias",
-    "v.conv_stem.bn.weight": _TOWER + "conv_stem.bn.weight",
-    "v.msfa.ffn.pw_exp.conv.weight": _TOWER + "msfa.ffn.pw_exp.conv.weight",
-    "v.msfa.ffn.pw_exp.bn.weight": _TOWER + "msfa.ffn.pw_exp.bn.weight",
-    "v.msfa.ffn.pw_proj.conv.weight": _TOWER + "msfa.ffn.pw_proj.conv.weight",
-    "v.msfa.ffn.pw_proj.bn.weight": _TOWER + "msfa.ffn.pw_proj.bn.weight",
-    "v.msfa.norm.weight": _TOWER + "msfa.norm.weight",
-    "mm.embedding.weight": "model.embed_vision.embedding.weight",
-    "mm.hard_emb_norm.weight": "model.embed_vision.hard_embedding_norm.weight",
-    "mm.input_projection.weight": "model.embed_vision.embedding_projection.weight",
-    "mm.soft_emb_norm.weight": "model.embed_vision.soft_embedding_norm.weight",
-}
 # The converter's block_tensor_mapping: timm's suffix kept as it is.
 GEMMA3N_BLOCK_SUFFIXES = frozenset(
     [f"{part}.weight" for part in ("conv_exp", "bn1", "conv_pwl", "bn2", "norm")]
@@ -480,25 +486,39 @@ GEMMA3N_BLOCK_SUFFIXES = frozenset(
     + [f"attn.{head}.{part}.weight" for head in ("key", "value") for part in ("down_conv", "norm")]
     + ["layer_scale.gamma"]
 )
-_BLOCK = re.compile(r"v\.blk\.(\d{1,4})\.(\d{1,4})\.(.+)")
-# Stored as (1, C, 1, 1) by the converter; (C,) in the checkpoint.
-_UNSQUEEZED = "conv_stem.conv.bias"
 
 
-def gemma3n_vision_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a Gemma 3n ``mmproj`` vision tensor, None if it is not one."""
-    if gguf_name in GEMMA3N_VISION_NAMES:
-        return GEMMA3N_VISION_NAMES[gguf_name]
-    match = _BLOCK.fullmatch(gguf_name)
-    if match and match[3] in GEMMA3N_BLOCK_SUFFIXES:
-        return f"{_TOWER}blocks.{match[1]}.{match[2]}.{match[3]}"
-    return None
+def _stem_bias(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[2:] != (1, 1):
+        raise ValueError(
+            f"conv_stem.conv.bias: expected the converter's (1, C, 1, 1), got {tuple(tensor.shape)}"
+        )
+    return tensor.reshape(-1)
 
 
-def gemma3n_vision_tensor(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as read from the ``mmproj`` file, in the checkpoint's shape."""
-    if hf_name.endswith(_UNSQUEEZED):
-        if tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[2:] != (1, 1):
-            raise ValueError(f"{hf_name}: expected the converter's (1, C, 1, 1), got {tuple(tensor.shape)}")
-        return tensor.reshape(-1)
-    return tensor
+GEMMA3N_VISION = TowerNames(
+    projector="gemma3nv",
+    modality="vision",
+    models=("gemma3n",),
+    layer_prefix="v.blk.",
+    hf_layer_prefix=_TOWER + "blocks.",
+    layer={suffix: suffix for suffix in GEMMA3N_BLOCK_SUFFIXES},
+    # gguf.tensor_mapping's Gemma 3n entries (the converter maps these names through it).
+    globals={
+        "v.conv_stem.conv.weight": _TOWER + "conv_stem.conv.weight",
+        "v.conv_stem.conv.bias": _TOWER + "conv_stem.conv.bias",
+        "v.conv_stem.bn.weight": _TOWER + "conv_stem.bn.weight",
+        "v.msfa.ffn.pw_exp.conv.weight": _TOWER + "msfa.ffn.pw_exp.conv.weight",
+        "v.msfa.ffn.pw_exp.bn.weight": _TOWER + "msfa.ffn.pw_exp.bn.weight",
+        "v.msfa.ffn.pw_proj.conv.weight": _TOWER + "msfa.ffn.pw_proj.conv.weight",
+        "v.msfa.ffn.pw_proj.bn.weight": _TOWER + "msfa.ffn.pw_proj.bn.weight",
+        "v.msfa.norm.weight": _TOWER + "msfa.norm.weight",
+        "mm.embedding.weight": "model.embed_vision.embedding.weight",
+        "mm.hard_emb_norm.weight": "model.embed_vision.hard_embedding_norm.weight",
+        "mm.input_projection.weight": "model.embed_vision.embedding_projection.weight",
+        "mm.soft_emb_norm.weight": "model.embed_vision.soft_embedding_norm.weight",
+    },
+    transforms={"v.conv_stem.conv.bias": Transform(_stem_bias, lambda s: (s[1],) if len(s) == 4 else s)},
+    layout="gemma3n",
+    layer_depth=2,
+)
