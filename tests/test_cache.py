@@ -278,6 +278,21 @@ def test_rollback_limits(text_checkpoints):
     assert short.lengths == [0]
 
 
+def test_read_refuses_positions_a_ring_lost_before_a_rollback(text_checkpoints):
+    """After a rollback the ring still holds the last positions written (past the slot's length):
+    read takes what it holds and refuses what those writes overwrote."""
+    model = torchgemma.load(text_checkpoints["31b"])
+    cache = model.make_cache(1, 24, max_rollback=2)  # rings of WINDOW + 2 = 7 columns
+    with torch.no_grad():
+        model(torch.arange(3, 13)[None], cache=cache)  # positions 0..9: the rings hold 3..9
+    cache.rollback(0, 2)  # length 8; positions 8 and 9 are still in the rings
+    assert len(cache.read(0, 3, 8)) == len(cache.layers)
+    with pytest.raises(
+        ValueError, match=r"hold its last 7 positions written \(3 to 10\); position 2 is gone"
+    ):
+        cache.read(0, 2, 8)
+
+
 @pytest.mark.parametrize("style", list(STYLES))
 def test_static_decode_step_matches_the_cached_forward(text_checkpoints, style):
     """TextModel.decode (static shapes over every slot) equals per-slot cached decoding, and slots

@@ -411,17 +411,17 @@ def test_layer_keys_read_the_cache_in_place(folders):
         target.language_model(torch.tensor([prompt(13, seed=1)]), cache=cache, slots=[1])
     full = next(i for i, s in enumerate(text.layers) if s.kv_role != "reuse" and not s.is_sliding)
     sliding = next(i for i, s in enumerate(text.layers) if s.kv_role != "reuse" and s.is_sliding)
-    copies = cache.read(1, 7, 13)
+    copies = cache.read(1, 6, 13)
     keys, values = cache.layer_keys(1, full, 0, 13)
     assert keys.data_ptr() == cache.layers[full].keys[1].data_ptr()  # a view: nothing copied
-    assert torch.equal(keys[0, :, 7:], copies[full][0]) and torch.equal(values[0, :, 7:], copies[full][1])
-    keys, values = cache.layer_keys(1, sliding, 7, 13)  # the ring (6 columns) wraps inside these
+    assert torch.equal(keys[0, :, 6:], copies[full][0]) and torch.equal(values[0, :, 6:], copies[full][1])
+    keys, values = cache.layer_keys(1, sliding, 6, 13)  # the ring (7 columns) wraps inside these
     assert torch.equal(keys[0], copies[sliding][0]) and torch.equal(values[0], copies[sliding][1])
     cache.rollback(1, 2)
     with pytest.raises(
-        ValueError, match="hold positions 7 on .*position 6 is gone: make the cache with a larger min_ring"
+        ValueError, match="hold positions 6 on .*position 5 is gone: make the cache with a larger min_ring"
     ):
-        cache.layer_keys(1, sliding, 6, 11)
+        cache.layer_keys(1, sliding, 5, 11)
     with pytest.raises(ValueError, match="is KV-shared"):
         cache.layer_keys(1, text.num_hidden_layers - 1, 0, 5)
 

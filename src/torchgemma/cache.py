@@ -349,10 +349,12 @@ class KVCache:
         length = self.lengths[slot]
         if not 0 <= start <= end <= length:
             raise ValueError(f"slot {slot} holds {length} tokens; cannot read positions [{start}, {end})")
-        if start < length - self.ring:
+        # The ring holds the last `ring` positions written, which after a rollback end past `length`.
+        newest = max(self._high_water[slot], length)
+        if start < newest - self.ring:
             raise ValueError(
-                f"slot {slot}'s sliding layers hold its last {self.ring} positions ({length - self.ring} "
-                f"to {length}); position {start} is gone"
+                f"slot {slot}'s sliding layers hold its last {self.ring} positions written "
+                f"({newest - self.ring} to {newest}); position {start} is gone"
             )
         columns = torch.arange(start, end, device=self.device) % self.ring
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
