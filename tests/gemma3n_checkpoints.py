@@ -1,10 +1,11 @@
 """Tiny random Gemma 3n checkpoints, built and saved by transformers: ``gemma3n_text``
 (``Gemma3nForCausalLM``) and ``gemma3n`` (``Gemma3nForConditionalGeneration``).
 
-transformers builds Gemma 3n's MobileNet-V5 vision tower through timm, which is not installed here
-(nor a dependency of torchgemma): a module without parameters stands in for it while transformers
-builds and loads the multimodal model. torchgemma builds neither tower, and the text path never
-reaches them; the audio tower transformers builds itself (tiny here), and its tensors are skipped.
+transformers builds Gemma 3n's MobileNet-V5 vision tower through timm (``TimmWrapperModel``), here a
+tiny one (timm's ``model_args``: ``VISION_BLOCKS``). timm is not a dependency of torchgemma and needs
+torchvision: timm_reference.py imports it with a stand-in for torchvision and lets transformers build
+its wrapper on it. Without timm, torchgemma's own MobileNet-V5 (same tensor names) stands in for the
+tower with random weights, so that text and audio tests still run; the vision tests skip.
 """
 
 from __future__ import annotations
@@ -40,7 +41,51 @@ TEXT = dict(
     max_position_embeddings=4096,
     eos_token_id=[1, 106],
 )
-VISION = dict(hidden_size=24, vocab_size=20, vocab_offset=260)
+
+# MobileNet-V5 at its smallest, in timm's block notation: four stages of one to three blocks, with
+# each kind of block (edge residual; inverted residual with start, middle and end depthwise convs;
+# attention with and without the key/value stride) at 8-32 channels; a 4x4 output grid (published:
+# 16x16), 16 soft tokens per image.
+VISION_BLOCKS = [
+    ["er_r1_k3_s2_e4_c8", "er_r1_k3_s1_e4_c8"],
+    ["uir_r1_a3_k5_s2_e6_c16", "uir_r1_a5_k0_s1_e4_c16"],
+    ["uir_r1_a5_k5_s2_e6_c24", "mqa_r1_k3_h2_v2_s1_d8_c24", "uir_r1_a0_k0_s1_e2_c24"],
+    ["uir_r1_a5_k5_s2_e6_c32", "mqa_r1_k3_h2_s1_d8_c32", "uir_r1_a0_k3_s1_e2_p3_c32"],
+]
+VISION_SOFT_TOKENS = 16
+
+
+def timm_block_args(stages: list[list[str]]) -> list[list[dict]]:
+    """timm's decoded form of blocks in its notation (``decode_arch_def``), as model_args takes them
+    (test_gemma3n_vision checks it against timm's own decoder)."""
+    out = []
+    for stage in stages:
+        decoded = []
+        for text in stage:
+            kind, *options = text.split("_")
+            o = {option[0]: option[1:] for option in options}
+            block = {"block_type": kind, "out_chs": int(o["c"]), "stride": int(o["s"]), "act_layer": None}
+            if kind == "er":
+                block.update(exp_kernel_size=int(o["k"]), pw_kernel_size=1, exp_ratio=float(o["e"]))
+                block.update(force_in_chs=0, se_ratio=0.0)
+            elif kind == "uir":
+                block.update(dw_kernel_size_start=int(o.get("a", 0)), dw_kernel_size_mid=int(o["k"]))
+                block.update(dw_kernel_size_end=int(o.get("p", 0)), exp_ratio=float(o["e"]), se_ratio=0.0)
+            else:
+                block.update(dw_kernel_size=int(o["k"]), num_heads=int(o["h"]), key_dim=int(o["d"]))
+                block.update(value_dim=int(o["d"]), kv_stride=int(o.get("v", 1)))
+            block["noskip"] = False
+            decoded.append(block)
+        out.append(decoded)
+    return out
+
+
+VISION = dict(
+    hidden_size=2048,
+    vocab_size=20,
+    vocab_offset=260,
+    model_args=dict(block_args=timm_block_args(VISION_BLOCKS), stem_size=8, msfa_output_resolution=4),
+)
 # Two conformer layers; attention chunks of 4 with 5 frames of left context (4 before) and 1 of
 # right context (published: 12, 13, 0), so that a second of audio spans several chunks; 128 mel
 # bins, as the feature extractor gives.
@@ -63,12 +108,37 @@ TOKEN_IDS = dict(
     boa_token_id=251,
     eoa_token_id=280,
     audio_token_id=281,
+    vision_soft_tokens_per_image=VISION_SOFT_TOKENS,
 )
+
+
+class OwnVisionTower(nn.Module):
+    """Without timm: torchgemma's MobileNet-V5 where transformers' TimmWrapperModel would be (the
+    same tensor names), to make and load checkpoints whose vision tower goes unused."""
+
+    def __init__(self, config):
+        super().__init__()
+        from torchgemma.config.gemma3n_vision import vision_config_from_hf
+        from torchgemma.model.gemma3n_vision import MobileNetV5Encoder
+
+        side = (config.model_args or {}).get("msfa_output_resolution", 16)
+        ours = vision_config_from_hf(config.to_dict(), {"vision_soft_tokens_per_image": side * side})
+        self.timm_model = MobileNetV5Encoder(ours)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("timm is not installed: this stands in for Gemma 3n's vision tower")
 
 
 @contextlib.contextmanager
 def vision_tower_stub():
-    """transformers builds a parameter-free module where Gemma 3n's timm vision tower would be."""
+    """transformers builds Gemma 3n's vision tower on timm (timm_reference.py), or, without timm,
+    on torchgemma's own MobileNet-V5 (``OwnVisionTower``)."""
+    from timm_reference import timm_available, timm_in_transformers
+
+    if timm_available():
+        with timm_in_transformers():
+            yield
+        return
     from transformers import Gemma3nVisionConfig
     from transformers.models.gemma3n import modeling_gemma3n
 
@@ -78,7 +148,7 @@ def vision_tower_stub():
         @staticmethod
         def from_config(config, **kwargs):
             if isinstance(config, Gemma3nVisionConfig):
-                return nn.Module()
+                return OwnVisionTower(config)
             return real.from_config(config, **kwargs)
 
     modeling_gemma3n.AutoModel = AutoModel

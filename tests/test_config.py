@@ -459,8 +459,8 @@ def test_family_facts():
     assert {t for t, c in configs.items() if c.takes_media} == {"gemma4", "gemma4_unified", "gemma3"}
     assert {t for t, c in configs.items() if c.encoder_free} == {"gemma4_unified"}
     assert configs["gemma3"].siglip_vision.tokens_per_side == 2
-    assert "not its vision tower" in configs["gemma3n"].towers_note
-    for model_type in ("gemma4", "gemma4_unified", "gemma3", "gemma3_text", "gemma3n_text"):
+    assert configs["gemma3n"].gemma3n_vision is not None and configs["gemma3n"].gemma3n_audio is not None
+    for model_type in ("gemma4", "gemma4_unified", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text"):
         assert configs[model_type].towers_note == "config.json describes none"
 
 
@@ -498,9 +498,11 @@ def test_module_path_follows_each_family():
     assert gemma3.module_path("vision_tower.vision_model.head.weight") is None
     projection = "multi_modal_projector.mm_input_projection_weight"
     assert gemma3.module_path(projection) == projection
-    # Gemma 3n: its vision tower and soft-token norm are not built; the embedders sit in the text model.
-    assert gemma3n.module_path("model.vision_tower.timm_model.conv_stem.weight") is None
-    assert gemma3n.module_path("model.embed_vision.soft_embedding_norm.weight") is None
+    # Gemma 3n: both towers are built; the embedders sit in the text model.
+    stem = "vision_tower.timm_model.conv_stem.conv.weight"
+    assert gemma3n.module_path(f"model.{stem}") == stem
+    norm = "language_model.embed_vision.soft_embedding_norm.weight"
+    assert gemma3n.module_path("model.embed_vision.soft_embedding_norm.weight") == norm
     embedder = "language_model.embed_audio.embedding.weight"
     assert gemma3n.module_path("model.embed_audio.embedding.weight") == embedder
     assert gemma3n.checkpoint_name(embedder) == "model.embed_audio.embedding.weight"

@@ -179,6 +179,46 @@ def test_media_a_text_model_cannot_take_fail_before_loading(
         )
 
 
+def test_media_towers_are_known_before_loading(tmp_path, no_weights, capsys, monkeypatch):
+    """Gemma 3's SigLIP and Gemma 3n's MobileNet-V5 take --image (their configs say so; the check
+    passes and the load is reached); a video they refuse by name. A .gguf takes --image with the
+    towers of its --mmproj; without one the error says to pass it."""
+    from PIL import Image
+    from transformers import Gemma3nConfig
+
+    from gemma3n_checkpoints import AUDIO, TOKEN_IDS, VISION, text_config
+
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    data = Path(__file__).parent / "data"
+    gemma3n = tmp_path / "gemma3n"
+    gemma3n.mkdir()
+    config = Gemma3nConfig(
+        text_config=text_config().to_dict(), vision_config=VISION, audio_config=AUDIO, **TOKEN_IDS
+    )
+    (gemma3n / "config.json").write_text(config.to_json_string())
+    gemma3 = data / "gemma3_mmproj"  # a gemma3 config.json (SigLIP tower) beside the mmproj fixture
+    e2b = data / "mmproj" / "e2b"
+    for model, extra in (
+        (gemma3, []),
+        (gemma3n, []),
+        (e2b / "model.gguf", ["--mmproj", str(e2b / "mmproj.gguf")]),
+    ):
+        argv = ["generate", "--model", str(model), "--image", str(image), *extra, PROMPT]
+        code, _, err = run_cli(argv, capsys, monkeypatch)
+        assert code == 2 and "AssertionError: the weights were loaded" in err, (model, err)
+    for model, name in ((gemma3, "Gemma 3"), (gemma3n, "Gemma 3n")):
+        argv = ["generate", "--model", str(model), "--video", str(image), PROMPT]
+        code, _, err = run_cli(argv, capsys, monkeypatch)
+        assert one_line_error(code, err, "generate").endswith(f"{name} takes images, not videos")
+    argv = ["generate", "--model", str(e2b / "model.gguf"), "--image", str(image), PROMPT]
+    code, _, err = run_cli(argv, capsys, monkeypatch)
+    assert one_line_error(code, err, "generate").endswith(
+        "(config.json describes none; a .gguf model's towers come in llama.cpp's mmproj file: pass "
+        "--mmproj): it cannot take images"
+    )
+
+
 def test_embed_without_a_sentence_head_fails_before_loading(llm_checkpoint, no_weights, capsys, monkeypatch):
     code, _, err = run_cli(["embed", "--model", str(llm_checkpoint), "a text"], capsys, monkeypatch)
     assert one_line_error(code, err, "embed").endswith(

@@ -1,7 +1,7 @@
 """Gemma 3n's text decoder through the same decoder, as config data: parity with transformers.
 
 Both layouts: ``gemma3n_text`` (Gemma3nForCausalLM) and ``gemma3n`` (Gemma3nForConditionalGeneration,
-text only: the towers are not built, their embedders' token tables are).
+text only here; the towers' own tests are test_gemma3n_audio.py and test_gemma3n_vision.py).
 """
 
 import dataclasses
@@ -291,19 +291,20 @@ def test_media_vocabulary_must_fit_its_table(checkpoints):
         ModelConfig.from_hf(data)
 
 
-def test_vision_tower_is_not_built(checkpoints):
-    """The audio tower and its soft tokens' norm are built (tests/test_gemma3n_audio.py); the
-    vision tower and its soft tokens' norm are not."""
+def test_both_towers_are_built(checkpoints):
+    """The audio conformer and MobileNet-V5 are built, each embedder with its soft tokens' norm
+    (the towers' parity: tests/test_gemma3n_audio.py, test_gemma3n_vision.py)."""
     model = torchgemma.load(checkpoints["gemma3n"])
     names = [name for name, _ in model.named_parameters()]
-    assert not any(name.startswith("vision_tower") for name in names)
+    assert any(name.startswith("vision_tower.timm_model.") for name in names)
     assert any(name.startswith("audio_tower") for name in names)
     assert "language_model.embed_vision.embedding.weight" in names
     assert [n for n in names if "soft_embedding_norm" in n] == [
-        "language_model.embed_audio.soft_embedding_norm.weight"
+        "language_model.embed_vision.soft_embedding_norm.weight",
+        "language_model.embed_audio.soft_embedding_norm.weight",
     ]
-    with pytest.raises(ValueError, match="not its vision tower"):
-        model(torch.tensor([[4, 5]]), pixel_values=torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="the prompt has 0 image placeholder tokens but .* 16 soft tokens"):
+        model(torch.tensor([[4, 5]]), pixel_values=torch.zeros(1, 3, 32, 32))
 
 
 def test_kv_shared_layers_own_no_kv_weights(checkpoints):
@@ -314,15 +315,14 @@ def test_kv_shared_layers_own_no_kv_weights(checkpoints):
 
 
 def test_save_writes_the_checkpoint_names(checkpoints, tmp_path):
-    """torchgemma.save writes the tensors it loaded under their own names (the vision tower and its
-    soft-token norm, never loaded, are left out), and the saved folder loads to the same logits."""
+    """torchgemma.save writes the tensors it loaded under their own names, and the saved folder
+    loads to the same logits."""
     from safetensors import safe_open
 
     model = torchgemma.load(checkpoints["gemma3n"], attention="eager")
     torchgemma.save(model, tmp_path)
     with safe_open(checkpoints["gemma3n"] / "model.safetensors", "pt") as f:
-        unbuilt = ("model.vision_tower.", "model.embed_vision.soft")
-        published = {k for k in f.keys() if not k.startswith(unbuilt)}  # noqa: SIM118
+        published = set(f.keys())
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert set(f.keys()) == published
     ids, mask = padded_batch(seed=9)
@@ -343,6 +343,8 @@ def test_normal_quantile_is_torch_distributions(p):
 PUBLISHED_TEXT_TOTALS = {"e2b": 4_435_182_688, "e4b": 6_835_235_568}
 # transformers' count of Gemma3nAudioEncoder with the published audio config (both sizes).
 PUBLISHED_AUDIO_TOWER = 681_348_640
+# timm's count of mobilenetv5_300m_enc (transformers' Gemma 3n vision tower), both sizes.
+PUBLISHED_VISION_TOWER = 294_126_912
 
 
 @pytest.mark.parametrize("name", list(GEMMA3N_PUBLISHED))
@@ -364,22 +366,20 @@ def test_info_counts_the_published_configs_as_transformers(name):
     assert (info["layers"], info["kv_shared_layers"]) == (layers, text["num_kv_shared_layers"])
     assert info["towers_not_built"] == []
 
-    # The multimodal layout adds the towers' token-id embedders and the audio tower (counted as
-    # transformers counts it); the vision tower is named, not counted.
+    # The multimodal layout adds the towers' token-id embedders and both towers, counted as
+    # transformers counts them (its vision tower timm's, or without timm torchgemma's own: then
+    # the published figure, timm's, is what is checked).
     data = gemma3n_multimodal(text)
     info = describe(ModelConfig.from_hf(data))
     with vision_tower_stub(), torch.device("meta"):
         ref = Gemma3nForConditionalGeneration(Gemma3nConfig.from_dict(data))
-    built = [
-        p.numel()
-        for n, p in ref.named_parameters()
-        if not n.startswith(("model.vision_tower.", "model.embed_vision.soft_embedding_norm"))
-    ]
-    assert info["params_total"] == sum(built)
+    assert info["params_total"] == sum(p.numel() for p in ref.parameters())
     audio = sum(p.numel() for p in ref.model.audio_tower.parameters())
     assert info["params_by_tower"]["audio"] == audio == PUBLISHED_AUDIO_TOWER
-    assert info["towers_not_built"] == ["vision"]
-    assert "the vision tower: not built" in format_report(info)
+    vision = sum(p.numel() for p in ref.model.vision_tower.parameters())
+    assert info["params_by_tower"]["vision"] == vision == PUBLISHED_VISION_TOWER
+    assert info["towers_not_built"] == []
+    assert "not built" not in format_report(info)
 
 
 def test_info_kv_cache_is_what_the_cache_allocates(checkpoints):

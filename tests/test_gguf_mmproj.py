@@ -9,6 +9,7 @@ must match transformers' on the safetensors checkpoint to float32 rounding, medi
 * e2b: E2B-like text, the on-device vision tower and the audio conformer (clip bounds clamp).
 * 31b: 31B-like text (K=V, bidirectional image blocks), the large vision tower (standardised).
 * 12b: 12B-Unified-like: the encoder-free image embedder (merged patches) and raw-audio embedder.
+* gemma3: Gemma 3 4B-like text and its SigLIP tower with the projector (projector type gemma3).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def pair(name: str) -> tuple[Path, Path]:
     return DATA / name / "model.gguf", DATA / name / "mmproj.gguf"
 
 
-NAMES = ["e2b", "31b", "12b"]
+NAMES = ["e2b", "31b", "12b", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,45 @@ def references():
     return {name: reference_model(DATA / name) for name in NAMES}
 
 
+def gemma3_inputs(ids: dict) -> dict:
+    """Gemma 3: two rows, each with an image's 9 tokens between its boi and eoi (as Gemma3Processor
+    expands them), 42 px images; ``mm_token_type_ids`` marks the image tokens."""
+    gen = torch.Generator().manual_seed(1)
+    image = [ids["boi_token_index"]] + [ids["image_token_index"]] * 9 + [ids["eoi_token_index"]]
+    rows = [
+        torch.randint(10, 290, (3,), generator=gen).tolist() + image + [12, 40, 77, 9],
+        [2, 33] + image + torch.randint(10, 290, (5,), generator=gen).tolist(),
+    ]
+    length = max(map(len, rows))
+    input_ids = torch.zeros(2, length, dtype=torch.long)
+    mask = torch.zeros(2, length, dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding
+        input_ids[i, length - len(r) :] = torch.tensor(r)
+        mask[i, length - len(r) :] = 1
+    types = (input_ids == ids["image_token_index"]).long()
+    pixels = torch.rand(2, 3, 42, 42, generator=gen) * 2 - 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "mm_token_type_ids": types,
+        "pixel_values": pixels,
+    }
+
+
+def theirs(name: str, inputs: dict) -> dict:
+    """The inputs as transformers' model takes them (Gemma 3 calls mm_token_type_ids token_type_ids)."""
+    if name != "gemma3":
+        return inputs
+    out = dict(inputs)
+    out["token_type_ids"] = out.pop("mm_token_type_ids")
+    return out
+
+
 def media_inputs(name: str) -> dict:
     """Two prompt rows laid out as the processor expands them, with images (and audio for e2b, 12b)."""
     ids = json.loads((DATA / name / "config.json").read_text())
+    if name == "gemma3":
+        return gemma3_inputs(ids)
     rng = np.random.default_rng(3)
     pictures = [
         rng.integers(0, 256, (60, 90, 3), dtype=np.uint8),
@@ -131,12 +168,14 @@ def test_gguf_with_mmproj_matches_transformers(references, name):
         tokens = [model(**inputs, cache=cache)[:, -1].argmax(-1, keepdim=True)]
         for _ in range(new_tokens - 1):
             tokens.append(model(tokens[-1], cache=cache)[:, -1].argmax(-1, keepdim=True))
-        theirs = references[name].generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-    ref = reference_logits(references[name], inputs)
+        expected = references[name].generate(
+            **theirs(name, inputs), max_new_tokens=new_tokens, do_sample=False
+        )
+    ref = reference_logits(references[name], theirs(name, inputs))
     diff = (ours - ref).abs().max().item()
     print(f"{name}: max |Δ| = {diff:.3g}")
     assert diff <= 1e-5
-    assert torch.equal(torch.cat(tokens, 1), theirs[:, inputs["input_ids"].shape[1] :])
+    assert torch.equal(torch.cat(tokens, 1), expected[:, inputs["input_ids"].shape[1] :])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -146,15 +185,38 @@ def test_every_tower_tensor_reads_back_as_the_checkpoints(name):
     from safetensors.torch import load_file
 
     checkpoint = read_gguf_with_mmproj(*pair(name))
-    stored = load_file(DATA / name / "model.safetensors")
-    assert set(checkpoint.tensor_names()) == set(stored)
-    towers = [n for n in stored if "language_model" not in n]
+    # By module path: Gemma 3's checkpoint is saved in its published layout (language_model.model.*,
+    # vision_tower.vision_model.*), the pair reads as transformers 5 names it (model.language_model.*).
+    path = checkpoint.model_config.module_path
+    ours_by_path = {path(n): n for n in checkpoint.tensor_names()}
+    stored = {path(n): v for n, v in load_file(DATA / name / "model.safetensors").items()}
+    assert set(ours_by_path) == set(stored)
+    towers = [n for n in stored if not n.startswith("language_model.")]
     assert towers
-    for hf_name, value in stored.items():
+    for module_path, value in stored.items():
+        hf_name = ours_by_path[module_path]
         ours, value = checkpoint.tensor(hf_name), value.float()
         if hf_name.endswith("per_dim_scale"):
             ours, value = torch.nn.functional.softplus(ours), torch.nn.functional.softplus(value)
         assert ours.shape == value.shape and torch.equal(ours, value), hf_name
+
+
+def test_gemma3_llm_with_an_image_equals_transformers(references):
+    """LLM on Gemma 3's GGUF pair: the prompt's <start_of_image> expanded as Gemma3Processor does
+    (from the GGUF's own vocabulary), the image preprocessed, and the greedy reply transformers'
+    generate gives for the same inputs."""
+    llm = torchgemma.LLM(pair("gemma3")[0], mmproj=pair("gemma3")[1], progress=False)
+    picture = np.random.default_rng(5).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    prompt = "The cat <start_of_image> on a mat"
+    ids = llm.processor.encode_all([prompt], None, [picture])
+    inputs = llm.inputs(ids, [picture])
+    assert int((inputs["input_ids"] == 6).sum()) == 9 and inputs["pixel_values"].shape == (1, 3, 42, 42)
+    ours = llm.generate_ids(ids, images=[picture], max_new_tokens=4, temperature=0)
+    with torch.no_grad():
+        expected = references["gemma3"].generate(
+            **theirs("gemma3", inputs), max_new_tokens=4, do_sample=False
+        )
+    assert ours[0] == expected[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def test_cli_and_server_take_the_mmproj(tmp_path, capsys, monkeypatch):

@@ -224,11 +224,11 @@ def describe(
     total = count(everything)
     moe = text.num_experts is not None
     kv_layers = [s for s in text.layers if s.kv_role != "reuse"]
-    # Towers config.json describes that torchgemma does not build (Gemma 3n's MobileNet-V5): not
-    # counted. Gemma 3's SigLIP and Gemma 3n's conformer are built (siglip_vision, gemma3n_audio).
+    # Towers config.json describes that torchgemma does not build: not counted. Gemma 3's SigLIP and
+    # Gemma 3n's conformer and MobileNet-V5 are built (siglip_vision, gemma3n_audio, gemma3n_vision).
     source = config.source or {}
     built = {
-        "vision": config.vision_config or config.siglip_vision,
+        "vision": config.vision_config or config.siglip_vision or config.gemma3n_vision,
         "audio": config.audio_config or config.gemma3n_audio,
     }
     unbuilt = [name for name in ("vision", "audio") if source.get(f"{name}_config") and built[name] is None]

@@ -177,10 +177,10 @@ class LLM:
 
     # ---- prompts (the processor's) --------------------------------------------------------------
 
-    def encode(self, prompt: str, audio: Sequence[Any] | None = None) -> list[int]:
-        """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained (Gemma 3n with
-        ``audio``: its placeholders expanded in the text first); see ``Processor.encode``."""
-        return self.processor.encode(prompt, audio)
+    def encode(self, prompt: str, audio: Sequence | None = None, images: Sequence | None = None) -> list[int]:
+        """Token ids of a raw prompt, starting with ``<bos>`` (Gemma 3 and 3n: placeholders of ``audio``
+        / ``images`` expanded in the text first); see ``Processor.encode``."""
+        return self.processor.encode(prompt, audio, images)
 
     def chat_ids(
         self,

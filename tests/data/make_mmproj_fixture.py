@@ -9,6 +9,14 @@ and makes them again.
   audio conformer, clip bounds that clamp.
 * ``31b/``: 31B-like (K=V full layers, bidirectional image blocks) with the large-style vision
   tower (standardised soft tokens, no clipping), no audio.
+* ``gemma3/``: a Gemma 3 4B-like ``Gemma3ForConditionalGeneration`` (tests/gemma3_checkpoints.py's
+  tiny SigLIP: 42 px images, 7 px patches pooled into 9 soft tokens), projector type ``gemma3``.
+  Gemma 3's text conversion (``Gemma3Model``) takes a SentencePiece ``tokenizer.model`` (its other
+  path, a tokenizer.json, must be one llama.cpp knows by hash), so a tiny one is trained here with
+  the ``sentencepiece`` package (``pip install sentencepiece==0.2.3``; only for this script): the
+  media tokens are its user-defined pieces 4-6. The converter asserts ``attn_logit_softcapping`` is
+  unset and writes neither ``query_pre_attn_scalar`` (llama.cpp uses the head size) nor the layer
+  pattern (every sixth layer full), so the checkpoint keeps to those.
 * ``12b/``: 12B-Unified-like (``gemma4_unified``): the encoder-free image and audio embedders. Its
   config.json carries ``"moe_intermediate_size": null`` in ``text_config``: transformers'
   Gemma4UnifiedTextConfig has no such field and does not write it, and the converter's
@@ -167,6 +175,75 @@ def gemma4_model(text: dict, large: bool):
     return Gemma4ForConditionalGeneration(config)
 
 
+GEMMA3_MEDIA = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def gemma3_tokenizer(folder: Path) -> dict[str, int]:
+    """A tiny SentencePiece model (Gemma's special ids: pad 0, eos 1, bos 2, unk 3) with the media
+    tokens as user-defined pieces; returns Gemma3Config's media id fields."""
+    import io
+
+    import sentencepiece as spm
+
+    text = ["The quick brown fox jumps over the lazy dog.", "An image of a cat on a mat.", "Hello world!"]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text * 20),
+        model_writer=model,
+        vocab_size=80,
+        model_type="bpe",
+        hard_vocab_limit=False,
+        user_defined_symbols=list(GEMMA3_MEDIA),
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    ids = [processor.piece_to_id(token) for token in GEMMA3_MEDIA]
+    # Special, as Gemma 3's tokenizer_config.json marks them: the converter then types them CONTROL.
+    added = {str(i): {"content": t, "special": True} for i, t in zip(ids, GEMMA3_MEDIA)}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}, indent=2))
+    return dict(zip(("boi_token_index", "eoi_token_index", "image_token_index"), ids))
+
+
+def build_gemma3(folder: Path, seed: int) -> None:
+    """Gemma 3 with its SigLIP tower, float16 values, the tokenizer above, and the preprocessor
+    config the mmproj conversion reads (its image_seq_length gives the pooling: 6 -> 3 per side)."""
+    from safetensors.torch import load_file, save_file
+
+    from gemma3_checkpoints import TOKENS_PER_IMAGE, gemma3_vision_checkpoint
+
+    folder.mkdir(parents=True)
+    media = gemma3_tokenizer(folder)
+    # Gemma 3's GGUF keeps no layer pattern (llama.cpp: every sixth layer full), no attention cap and
+    # no query_pre_attn_scalar (the head size): the checkpoint keeps to those.
+    # Narrower than the tests' Gemma 3 (64 wide, 7 layers), to keep the files small.
+    gemma3_vision_checkpoint(
+        folder,
+        seed,
+        media_ids=media,
+        attn_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        layer_types=[SLIDING] * 5 + [FULL],
+        num_hidden_layers=6,
+        hidden_size=32,
+        intermediate_size=48,
+    )
+    weights = load_file(folder / "model.safetensors")
+    weights = {k: v.half() if v.dim() >= 2 else v.half().float() for k, v in weights.items()}
+    # The mmproj conversion reads the published (transformers 4.5x) tower names, vision_model inside.
+    weights = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    preprocessor = {
+        "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": TOKENS_PER_IMAGE,
+        "size": {"height": 42, "width": 42}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+    }  # fmt: skip
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+
+
 def build(folder: Path, kind: str, seed: int) -> None:
     """The checkpoint (float16 matrices, float32 vectors) with the fixture tokenizer beside it."""
     from safetensors.torch import load_file, save_file
@@ -202,20 +279,23 @@ def convert(llama_cpp: Path, folder: Path, mmproj: bool) -> Path:
     target = folder / ("mmproj.gguf" if mmproj else "model.gguf")
     command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f16"]
     command += ["--mmproj"] * mmproj + ["--outfile", str(target)]
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    # Its own gguf-py first (then the caller's path: sentencepiece, wherever it is installed).
+    path = os.pathsep.join([str(llama_cpp / "gguf-py"), os.environ.get("PYTHONPATH", "")])
+    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.DEVNULL)
     return target
 
 
-def main(llama_cpp: Path) -> None:
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir()
-    for name, seed in (("e2b", 41), ("31b", 42), ("12b", 43)):
+def main(llama_cpp: Path, only: list[str]) -> None:
+    """Every folder, or those named in ``only`` (the others are left as they are)."""
+    OUT.mkdir(exist_ok=True)
+    for name, seed in (("e2b", 41), ("31b", 42), ("12b", 43), ("gemma3", 44)):
         with tempfile.TemporaryDirectory() as tmp:
+            if only and name not in only:
+                continue
             work = Path(tmp) / name
-            build(work, name, seed)
+            build_gemma3(work, seed) if name == "gemma3" else build(work, name, seed)
             target = OUT / name
+            shutil.rmtree(target, ignore_errors=True)
             target.mkdir()
             for produced in (convert(llama_cpp, work, False), convert(llama_cpp, work, True)):
                 shutil.copy(produced, target / produced.name)
@@ -226,6 +306,9 @@ def main(llama_cpp: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} LLAMA_CPP_SOURCE_DIR (the llama.cpp tree with convert_hf_to_gguf.py)")
-    main(Path(sys.argv[1]))
+    if len(sys.argv) < 2:
+        sys.exit(
+            f"usage: {sys.argv[0]} LLAMA_CPP_SOURCE_DIR [FOLDER ...] (the llama.cpp tree with "
+            "convert_hf_to_gguf.py; the fixture folders to make, by default all)"
+        )
+    main(Path(sys.argv[1]), sys.argv[2:])

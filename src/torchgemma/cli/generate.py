@@ -85,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = load_llm(args)
     load_seconds = time.perf_counter() - start
-    if args.audio and llm.model.config.gemma3n_audio is not None:
-        # Gemma 3n's tokenizer spells its audio placeholder its own way (<audio_soft_token>).
-        prompt = prompt.replace(AUDIO_PLACEHOLDER, llm.tokenizer.backend.id_to_token(llm.tokenizer.audio_id))
-    if args.image and llm.model.config.siglip_vision is not None:  # Gemma 3's is <start_of_image>
+    config = llm.model.config
+    if config.gemma3n_audio is not None:
+        # Gemma 3n's tokenizer spells its placeholders its own way (<audio_soft_token>, <image_soft_token>).
+        spell = llm.tokenizer.backend.id_to_token
+        prompt = prompt.replace(AUDIO_PLACEHOLDER, spell(llm.tokenizer.audio_id)) if args.audio else prompt
+        prompt = prompt.replace(IMAGE_PLACEHOLDER, spell(llm.tokenizer.image_id)) if args.image else prompt
+    if args.image and config.siglip_vision is not None:  # Gemma 3's is <start_of_image>
         prompt = prompt.replace(
-            IMAGE_PLACEHOLDER, llm.tokenizer.id_to_token(llm.model.config.token_ids["boi_token_id"])
+            IMAGE_PLACEHOLDER, llm.tokenizer.id_to_token(config.token_ids["boi_token_id"])
         )
     stats = GenerationStats()
     options = dict(images=args.image, audio=args.audio, videos=args.video)

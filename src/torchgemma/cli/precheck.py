@@ -39,14 +39,26 @@ def check_chat_template(args: argparse.Namespace) -> None:
 
 
 def check_media(args: argparse.Namespace) -> None:
-    """--image, --audio or --video given to a checkpoint without the tower (or embedder) for it."""
+    """--image, --audio or --video given to a checkpoint without the tower (or embedder) for it (a
+    .gguf: with the towers of its --mmproj, if any)."""
     if not (args.image or args.audio or args.video):
         return
     from ..info import checkpoint_config
     from ..processing.processor import check_media_towers
 
-    config = checkpoint_config(checkpoint_files(args.model))
-    check_media_towers(config, args.image, args.audio, args.video, towers_note=config.towers_note)
+    path = checkpoint_files(args.model)
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj is not None and path.suffix == ".gguf":
+        from ..weights.gguf import read_gguf_with_mmproj
+
+        # The pair's config, from the two files' metadata (no tensor is read).
+        config = read_gguf_with_mmproj(path, mmproj, check_shapes=False).model_config
+    else:
+        config = checkpoint_config(path)
+    note = config.towers_note
+    if path.suffix == ".gguf" and mmproj is None:
+        note += "; a .gguf model's towers come in llama.cpp's mmproj file: pass --mmproj"
+    check_media_towers(config, args.image, args.audio, args.video, towers_note=note)
 
 
 def check_sentence_head(args: argparse.Namespace) -> None:

@@ -4,7 +4,7 @@ schema.py          the records: TextConfig, LayerSpec, RopeSpec, the tower confi
 model_config.py    ModelConfig (from_file, from_hf) and the checkpoint names its family implies
 hf.py              reading config.json: the one place that knows its key names and defaults
 gemma4.py, gemma4_unified.py, gemma3.py, gemma3n.py
-                   each family's field rules and checkpoint-name rules
+                   each family's field rules (gemma3n_vision.py: Gemma 3n's MobileNet-V5 blocks) and checkpoint-name rules
 limits.py          the largest sizes and the number rules a config.json must keep
 assistant.py       AssistantConfig: an MTP drafter's (gemma4_assistant, gemma4_unified_assistant)
 """

@@ -1,9 +1,10 @@
 """Gemma 3n (``gemma3n``, ``gemma3n_text``): Gemma 4's attention, PLE and KV sharing inside AltUp's
 several residual streams and LAuReL, its first layers' MLP gates sparsified.
 
-Of the multimodal checkpoint, the audio conformer is built and the MobileNet-V5 vision tower is
-not; both embedders' token tables are, as text-only prompts and generated ids may use those ids
-(the text model holds them: ``language_model.embed_vision``, ``language_model.embed_audio``).
+Of the multimodal checkpoint, the audio conformer and the MobileNet-V5 vision tower
+(config/gemma3n_vision.py) are built, with both embedders; their token tables embed the towers' own
+ids, which text-only prompts and generated ids may use too (the text model holds the embedders:
+``language_model.embed_vision``, ``language_model.embed_audio``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from .gemma3 import rope_from_older_keys
+from .gemma3n_vision import vision_config_from_hf
 from .limits import FINITE, POSITIVE, check_numbers, positive_int
 from .schema import FULL, SLIDING, ConfigError, Family, Gemma3nAudioConfig, MediaVocabulary, TextConfig
 
@@ -115,9 +117,12 @@ def _media_vocabularies(vision: Any, audio: Any) -> tuple[MediaVocabulary, ...]:
             )
         )
     # transformers: vision ids run up to the first audio id; audio ids are every id from there.
-    # The audio tower is built, its soft tokens go through embed_audio; the vision tower is not.
+    # Both towers are built: their soft tokens go through embed_vision and embed_audio.
     vision, audio = out
-    return (dataclasses.replace(vision, end=audio.offset), dataclasses.replace(audio, soft_tokens=True))
+    return (
+        dataclasses.replace(vision, end=audio.offset, soft_tokens=True),
+        dataclasses.replace(audio, soft_tokens=True),
+    )
 
 
 # transformers' Gemma3nAudioConfig defaults (the published E2B/E4B conformer) for omitted fields.
@@ -223,12 +228,14 @@ def _check_media(media: tuple[MediaVocabulary, ...], vocab_size: int) -> tuple[M
 
 
 def top_level(data: dict, text: TextConfig) -> tuple[TextConfig, dict[str, Any]]:
-    """The embedders' token tables (into the text config) and the audio conformer; no token ids."""
+    """The embedders' token tables (into the text config), the audio conformer and the vision tower;
+    no token ids."""
     vision, audio = data.get("vision_config"), data.get("audio_config")
     media = _media_vocabularies(vision, audio)
     gemma3n_audio = _gemma3n_audio_from_hf(audio, data)
+    gemma3n_vision = vision_config_from_hf(vision, data)
     text = dataclasses.replace(text, media_vocabularies=_check_media(media, text.vocab_size))
-    return text, {"gemma3n_audio": gemma3n_audio}
+    return text, {"gemma3n_audio": gemma3n_audio, "gemma3n_vision": gemma3n_vision}
 
 
 # The embedders the text model holds (their ids are text-model ids), as checkpoint names.
@@ -236,8 +243,6 @@ TEXT_MODEL_EMBEDDERS = ("embed_vision.", "embed_audio.")
 
 
 def module_path(name: str) -> str | None:
-    if name.startswith("vision_tower.") or name == "embed_vision.soft_embedding_norm.weight":
-        return None  # the vision tower, and its soft tokens' norm, are not built
     if name.startswith(TEXT_MODEL_EMBEDDERS):
         return "language_model." + name
     return name
@@ -255,5 +260,4 @@ FAMILY = Family(
     last_layer_full=False,
     module_path=module_path,
     checkpoint_path=checkpoint_path,
-    towers_note="torchgemma builds the text model and audio tower of model_type 'gemma3n', not its vision tower",
 )

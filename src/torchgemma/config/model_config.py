@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gemma3n_vision import Gemma3nVisionConfig
 from .hf import fields_from_hf
 from .limits import MAX_CONFIG_BYTES
 from .schema import (
@@ -47,10 +48,11 @@ class ModelConfig:
     # gemma4_unified: the encoder-free image and audio embedders (no vision or audio tower).
     unified_vision: UnifiedVisionConfig | None = None
     unified_audio: UnifiedAudioConfig | None = None
-    # gemma3n: its audio conformer (its MobileNet-V5 vision tower is not built).
+    # gemma3n: its audio conformer and MobileNet-V5 vision tower.
     gemma3n_audio: Gemma3nAudioConfig | None = None
     # gemma3: its SigLIP vision tower and projector.
     siglip_vision: SiglipVisionConfig | None = None
+    gemma3n_vision: Gemma3nVisionConfig | None = None
     # A model saved quantized by torchgemma: {"mode": ..., "layers": {module: {bits, group_size,
     # has_mins, scale_dtype?}}} (config.json's "quantization_config", quant_method "torchgemma").
     quantization: dict | None = None

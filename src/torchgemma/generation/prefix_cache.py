@@ -314,9 +314,11 @@ def media_start(model: Gemma, prompt: Sequence[int], media: MediaInputs | None) 
         return len(prompt)
     ids = torch.tensor(prompt)
     special = model.text_ids(ids) != ids  # gemma4 layouts: placeholders read as the pad token
-    audio = model.config.gemma3n_audio
+    audio, vision = model.config.gemma3n_audio, model.config.gemma3n_vision
     if audio is not None:
         special |= ids == audio.audio_token_id
+    if vision is not None:
+        special |= ids == vision.image_token_id
     types = media.mm_token_type_ids
     if types is not None:
         types = types.reshape(-1).cpu()

@@ -1,5 +1,5 @@
-"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``,
-the SigLIP tower of ``gemma3`` and the audio tower of ``gemma3n``.
+"""The whole model: the text decoder and its head, with the vision and audio towers of ``gemma4``
+and ``gemma3n`` (MobileNet-V5 and a conformer), and the SigLIP tower of ``gemma3``.
 
 Module names follow the checkpoint's tensor names with the ``model.`` prefix removed
 (``language_model.layers.3.self_attn.q_proj.weight``, ``vision_tower.encoder.layers.0...``,
@@ -15,6 +15,7 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from .audio import AudioTower
 from .gemma3n_audio import Gemma3nAudioEncoder
+from .gemma3n_vision import Gemma3nVisionTower
 from .multimodal import MultimodalEmbedder, placeholder_masks, scatter_soft_tokens, vision_block_ids
 from .siglip import MultiModalProjector, SiglipVisionTower
 from .text import TextModel
@@ -61,6 +62,8 @@ class Gemma(nn.Module):
         if config.siglip_vision is not None:  # gemma3
             self.vision_tower = SiglipVisionTower(config.siglip_vision, attention)
             self.multi_modal_projector = MultiModalProjector(config.siglip_vision, text.hidden_size)
+        if config.gemma3n_vision is not None:  # its soft tokens go through language_model.embed_vision
+            self.vision_tower = Gemma3nVisionTower(config.gemma3n_vision)
 
     @property
     def takes_media(self) -> bool:
@@ -128,9 +131,13 @@ class Gemma(nn.Module):
         return input_ids.masked_fill(placeholders, self.config.text.pad_token_id)
 
     def image_features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H)."""
-        if self.config.siglip_vision is not None:  # gemma3: images (n, 3, S, S) -> (n * m, H)
+        """Patches (n_images, N, 3p²) and positions (n_images, N, 2) -> soft tokens (n_soft, H).
+        Gemma 3 and 3n: images (n_images, 3, S, S) -> soft tokens (n_images * m, H)."""
+        if self.config.siglip_vision is not None:  # gemma3
             soft = self.multi_modal_projector(self.vision_tower(pixel_values.to(self.device)))
+            return soft.reshape(-1, soft.shape[-1])
+        if self.config.gemma3n_vision is not None:
+            soft = self.language_model.embed_vision.soft(self.vision_tower(pixel_values))
             return soft.reshape(-1, soft.shape[-1])
         if self.config.unified_vision is not None:
             if position_ids is None:
@@ -216,11 +223,13 @@ class Gemma(nn.Module):
                     f"{pixel_values_videos.shape[0]} frames"
                 )
         if self.config.gemma3n_audio is not None:
-            if pixel_values is not None or pixel_values_videos is not None:
-                raise ValueError(
-                    f"images given, but this checkpoint has no vision tower ({self.towers_note})"
-                )
+            if pixel_values_videos is not None:
+                raise ValueError("Gemma 3n takes images and audio, not videos")
             embeds = self.language_model.embed(input_ids)
+            if pixel_values is not None:
+                soft = self.image_features(pixel_values, None)
+                mask = input_ids == self.config.gemma3n_vision.image_token_id
+                embeds = scatter_soft_tokens(embeds, mask, soft, "image")
             if input_features is not None:
                 soft = self.audio_features(input_features, input_features_mask)
                 mask = input_ids == self.config.gemma3n_audio.audio_token_id
@@ -289,9 +298,11 @@ class Gemma(nn.Module):
         on bidirectional attention inside each image and each video frame on sliding layers, for
         checkpoints with ``use_bidirectional_attention == "vision"`` (26B/31B; Gemma 3 on every
         layer); pass it with the prompt only. Gemma 3: ``pixel_values`` (n_images, 3, S, S) as
-        ``Gemma3ImageProcessor`` returns them (``mm_token_type_ids``: its ``token_type_ids``). Gemma 3n: ``input_features`` / ``input_features_mask`` as
-        ``Gemma3nAudioFeatureExtractor`` returns them; each clip fills ``audio_soft_tokens_per_image``
-        (188) audio placeholders, in order.
+        ``Gemma3ImageProcessor`` returns them (``mm_token_type_ids``: its ``token_type_ids``).
+        Gemma 3n: ``pixel_values`` (n_images, 3, 768, 768) as its image processor returns them, each
+        image filling ``vision_soft_tokens_per_image`` (256) image placeholders; ``input_features`` /
+        ``input_features_mask`` as ``Gemma3nAudioFeatureExtractor`` returns them, each clip filling
+        ``audio_soft_tokens_per_image`` (188) audio placeholders; in order.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
@@ -300,7 +311,7 @@ class Gemma(nn.Module):
             "input_features": input_features,
             "pixel_values_videos": pixel_values_videos,
         }
-        if self.config.gemma3n_audio is not None and input_features is not None:
+        if self.config.gemma3n_audio is not None and (input_features is not None or pixel_values is not None):
             embeds, _ = self.embed_multimodal(
                 input_ids,
                 pixel_values,

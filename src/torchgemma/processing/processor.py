@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from ..model.inputs import MediaInputs
 from ..tokenizer import Tokenizer, UnknownTokenError
 from ..tokenizer.chat_template import select_chat_template
-from . import gemma3n_audio
+from . import gemma3n_audio, gemma3n_image
 from .gemma3_image import (
     Gemma3ImageSettings,
     expand_image_text,
@@ -92,6 +92,10 @@ def check_media_towers(
                 raise ValueError(
                     f"this gemma4_unified checkpoint has no {kind}_config: it cannot take {kind} input"
                 )
+    elif config.siglip_vision is not None or config.gemma3n_vision is not None:
+        if videos:  # Gemma 3's and 3n's processors take images, not videos
+            name = "Gemma 3" if config.siglip_vision is not None else "Gemma 3n"
+            raise ValueError(f"{name} takes images, not videos")
     elif visual and vision is None:
         raise ValueError(
             f"this checkpoint has no vision tower torchgemma builds ({towers_note}): it cannot take {visual}"
@@ -141,6 +145,7 @@ class Processor:
         self._expand_media: Callable[[list[list[int]], list, list, list], ExpandedRows]
         self._unified = config.encoder_free  # embedders project media into the decoder, no towers
         self._gemma3n_soft_tokens: int | None = None  # Gemma 3n: per clip, expanded in the text
+        self._gemma3n_image_tokens: int | None = None  # Gemma 3n: per image, expanded in the text
         self._gemma3_images: Gemma3ImageSettings | None = None  # Gemma 3: expanded in the text
         if config.siglip_vision is not None:
             vision = config.siglip_vision
@@ -151,12 +156,15 @@ class Processor:
         elif config.gemma3n_audio is not None:
             self._expand_media = self._gemma3n_media
             self._gemma3n_soft_tokens = config.gemma3n_audio.soft_tokens_per_clip
+            if config.gemma3n_vision is not None:
+                self._gemma3n_image_tokens = config.gemma3n_vision.soft_tokens_per_image
         elif self._unified:
             self._expand_media = self._unified_media
         else:
             self._expand_media = self._gemma4_media
-        # Gemma 3n: chat templates with the audio placeholder expanded, by template (template_for).
-        self._expanded_templates: dict[str, str] = {}
+        # Gemma 3n: chat templates with the media placeholders expanded, by template and media kinds
+        # (template_for).
+        self._expanded_templates: dict[tuple[str, bool, bool], str] = {}
 
     @property
     def takes_audio(self) -> bool:
@@ -242,12 +250,14 @@ class Processor:
         """Token ids of a raw prompt, starting with ``<bos>`` as Gemma was trained.
 
         Gemma 4 tokenizers add no ``<bos>`` themselves (the chat template writes it), so it is added
-        here unless the prompt's text already begins with it. Gemma 3n with ``audio`` and Gemma 3
-        with ``images`` (those of this prompt): each placeholder is expanded in the text first, as
-        their processors do.
+        here unless the prompt's text already begins with it. Gemma 3n with ``audio`` / ``images``
+        and Gemma 3 with ``images`` (those of this prompt): each placeholder is expanded in the text
+        first, as their processors do.
         """
         if audio and self._gemma3n_soft_tokens is not None:
             prompt = gemma3n_audio.expand_audio_text(prompt, self.tokenizer, self._gemma3n_soft_tokens)
+        if images and self._gemma3n_image_tokens is not None:
+            prompt = gemma3n_image.expand_image_text(prompt, self.tokenizer, self._gemma3n_image_tokens)
         if images and self._gemma3_images is not None:
             prompt = expand_image_text(prompt, self._gemma3_tokens(), self._gemma3_image_texts(images))
         ids = self.tokenizer.encode(prompt)
@@ -286,8 +296,8 @@ class Processor:
         images: Sequence[Any] = (),
     ) -> list[int]:
         """``chat_ids`` ready for ``process``: Gemma 3n's template writes each of the ``audio`` clips'
-        placeholders expanded, as Gemma3nProcessor's does (Gemma 3: each of the ``images``', as
-        Gemma3Processor's); ``reply_prefix`` is text the reply is made
+        and ``images``' placeholders expanded, as Gemma3nProcessor's does (Gemma 3: each of the
+        ``images``', as Gemma3Processor's); ``reply_prefix`` is text the reply is made
         to start with (``replies.forced_call_prefix``), written after the generation prompt.
 
         ``sanitize_control_tokens``: control tokens typed in the messages (``<turn|>``, ``<|image|>``)
@@ -308,12 +318,14 @@ class Processor:
     def template_for(
         self, audio: Sequence[Any], tools: Sequence[Any] | None = None, images: Sequence[Any] = ()
     ) -> str | None:
-        """The chat template a conversation with these audio clips (and ``tools``) renders with: None
-        (the tokenizer's own) except for Gemma 3n with audio, whose placeholder renders expanded in
-        the text (expanded once per template, on first use), and Gemma 3 with images, each of whose
-        placeholders renders as that image's text."""
-        gemma3 = images and self._gemma3_images is not None
-        if not gemma3 and (not audio or self._gemma3n_soft_tokens is None):
+        """The chat template a conversation with these audio clips and images (and ``tools``) renders
+        with: None (the tokenizer's own) except for Gemma 3n with audio or images, whose placeholders
+        render expanded in the text (expanded once per template, on first use), and Gemma 3 with
+        images, each of whose placeholders renders as that image's text."""
+        gemma3 = bool(images) and self._gemma3_images is not None
+        with_audio = bool(audio) and self._gemma3n_soft_tokens is not None
+        with_images = bool(images) and self._gemma3n_image_tokens is not None
+        if not gemma3 and not with_audio and not with_images:
             return None
         template = select_chat_template(
             self.tokenizer.chat_template, tools=tools, source=self.tokenizer.name_or_path
@@ -321,11 +333,19 @@ class Processor:
         if gemma3:
             boi = self._gemma3_tokens()[0]
             return expand_images_in_template(template, boi, self._gemma3_image_texts(images))
-        if template not in self._expanded_templates:
-            self._expanded_templates[template] = gemma3n_audio.expand_audio_in_template(
-                template, self.tokenizer, self._gemma3n_soft_tokens
-            )
-        return self._expanded_templates[template]
+        key = (template, with_audio, with_images)
+        if key not in self._expanded_templates:
+            expanded = template
+            if with_audio:
+                expanded = gemma3n_audio.expand_audio_in_template(
+                    expanded, self.tokenizer, self._gemma3n_soft_tokens
+                )
+            if with_images:
+                expanded = gemma3n_image.expand_image_in_template(
+                    expanded, self.tokenizer, self._gemma3n_image_tokens
+                )
+            self._expanded_templates[key] = expanded
+        return self._expanded_templates[key]
 
     # ---- media, by family -----------------------------------------------------------------------
 
@@ -364,23 +384,31 @@ class Processor:
         return ExpandedRows(prepared.pop("input_ids"), prepared.pop("mm_token_type_ids"), prepared)
 
     def _gemma3n_media(self, rows: list[list[int]], images: list, audio: list, videos: list) -> ExpandedRows:
-        """Prompts whose audio placeholders are already expanded (``encode`` and ``render_chat``
-        expand them in the text, as Gemma3nProcessor), and the clips' features."""
+        """Prompts whose audio and image placeholders are already expanded (``encode`` and
+        ``render_chat`` expand them in the text, as Gemma3nProcessor), the clips' features and the
+        images' pixels."""
         tokens = self._media_tokens(images, audio, videos)
-        soft = self._gemma3n_soft_tokens
-        found = sum(row.count(tokens.audio) for row in rows)
-        if found != soft * len(audio):
-            raise ValueError(
-                f"the prompts hold {found} audio placeholder tokens but {len(audio)} clips need "
-                f"{soft} each: Gemma 3n prompts take each clip's placeholder expanded in the text "
-                "(LLM.chat and LLM.generate do this; see processing.gemma3n_audio.expand_audio_text)"
-            )
-        # The feature extractor's settings, read at the first clip (a setting torchgemma does not
+        media: dict[str, Any] = {}
+        for kind, placeholder, given, soft, helper in (
+            ("audio", tokens.audio, audio, self._gemma3n_soft_tokens, "gemma3n_audio.expand_audio_text"),
+            ("image", tokens.image, images, self._gemma3n_image_tokens, "gemma3n_image.expand_image_text"),
+        ):
+            found = sum(row.count(placeholder) for row in rows)
+            if given and found != soft * len(given):
+                raise ValueError(
+                    f"the prompts hold {found} {kind} placeholder tokens but {len(given)} {kind} inputs need "
+                    f"{soft} each: Gemma 3n prompts take each placeholder expanded in the text "
+                    f"(LLM.chat and LLM.generate do this; see processing.{helper})"
+                )
+        # The processors' settings, read at the first clip or image (a setting torchgemma does not
         # compute is refused then, not when a text-only use loads the checkpoint).
         folder = self._settings_folder
-        settings = gemma3n_audio.feature_settings(folder) if folder is not None else {}
-        features = gemma3n_audio.process_audio_gemma3n(audio, **settings)
-        return ExpandedRows(rows, None, features)
+        if audio:
+            settings = gemma3n_audio.feature_settings(folder) if folder is not None else {}
+            media.update(gemma3n_audio.process_audio_gemma3n(audio, **settings))
+        if images:
+            media.update(gemma3n_image.process_images_gemma3n(images, gemma3n_image.image_settings(folder)))
+        return ExpandedRows(rows, None, media)
 
     def _gemma3_tokens(self) -> tuple[str, str, str]:
         ids = self.config.token_ids
@@ -396,7 +424,7 @@ class Processor:
         """``encode`` of several raw prompts whose placeholders the media fill in order: Gemma 3's
         i-th ``<start_of_image>`` over all prompts takes ``images[i]``."""
         if not images or self._gemma3_images is None:
-            return [self.encode(prompt, audio) for prompt in prompts]
+            return [self.encode(prompt, audio, images) for prompt in prompts]
         boi, left = self._gemma3_tokens()[0], list(images)
         rows = []
         for prompt in prompts:
@@ -438,9 +466,12 @@ class Processor:
         # The model fills the positions of its config's ids; the tokenizer must write the same ones.
         named = [("image", tokens.image), ("audio", tokens.audio)]
         expected = config.token_ids
-        if config.gemma3n_audio is not None:  # Gemma 3n: audio only; its id is in the audio config
-            named = [("audio", tokens.audio)]
+        if config.gemma3n_audio is not None:  # Gemma 3n: the ids are in its tower configs
             expected = {"audio_token_id": config.gemma3n_audio.audio_token_id}
+            named = [("audio", tokens.audio)] if audio else []
+            if config.gemma3n_vision is not None:
+                expected["image_token_id"] = config.gemma3n_vision.image_token_id
+                named += [("image", tokens.image)] if images else []
         if videos:
             if tokens.video is None:
                 raise ValueError("the tokenizer has no <|video|> token: it cannot take videos")

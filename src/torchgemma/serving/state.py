@@ -160,10 +160,9 @@ class ServerState:
     def takes_images(self) -> bool:
         """Whether the model has a vision tower torchgemma builds (or gemma4_unified's embedder)."""
         config = self.llm.model.config
-        vision = (
-            config.unified_vision if config.encoder_free else config.vision_config or config.siglip_vision
-        )
-        return vision is not None
+        if config.encoder_free:
+            return config.unified_vision is not None
+        return (config.vision_config or config.siglip_vision or config.gemma3n_vision) is not None
 
     @property
     def takes_audio(self) -> bool:

@@ -2,7 +2,8 @@
 
 llama.cpp keeps a model's towers in a second file, the mmproj (``general.architecture`` "clip"),
 that names each tower's projector type. ``MultimodalGGUF`` reads the pair as the Hugging Face
-checkpoint they were converted from: the config (``Gemma4ForConditionalGeneration``: the text
+checkpoint they were converted from: the config (``Gemma4ForConditionalGeneration``,
+``Gemma3ForConditionalGeneration``...: the text
 config from the model file, the towers' configs from the mmproj's metadata and tensor shapes, the
 media token ids from the model file's vocabulary) and every tensor under its Hugging Face name. The
 text tensors read as ``GGUFCheckpoint`` reads them (kept as grouped integers where
@@ -26,7 +27,7 @@ import torch
 from ...config import ConfigError, ModelConfig
 from .blocks import SUPPORTED_TYPES, NonFiniteWeights, dequantize
 from .checkpoint import GGUFCheckpoint, _model_shapes, read_gguf
-from .mmproj_names import BOUNDS, LAYOUTS, SCALAR, TOWERS, MultimodalLayout, TowerNames, Transform
+from .mmproj_names import BOUNDS, LAYOUTS, TOWERS, MultimodalLayout, TowerNames, Transform
 from .reader import GGUFError, _GGUFFile
 
 
@@ -69,23 +70,6 @@ def _projectors(file: _GGUFFile) -> list[TowerNames]:
     return towers
 
 
-def _hf_name(tower: TowerNames, name: str) -> tuple[str, Transform | None] | None:
-    """The Hugging Face name of one mmproj tensor of ``tower`` and the transform that undoes the
-    converter's change, or None if the table has no such name."""
-    if name in tower.globals:
-        return tower.globals[name], tower.transforms.get(name)
-    layer, _, suffix = name.removeprefix(tower.layer_prefix).partition(".")
-    if not layer.isdigit() or str(int(layer)) != layer:
-        return None
-    if suffix in tower.layer:
-        return f"{tower.hf_layer_prefix}{layer}.{tower.layer[suffix]}", tower.transforms.get(suffix)
-    base, _, bound = suffix.rpartition(".")
-    hf_weight = tower.layer.get(f"{base}.weight", "")
-    if tower.clip_bounds and bound in BOUNDS and hf_weight.endswith(".linear.weight"):
-        return f"{tower.hf_layer_prefix}{layer}.{hf_weight.removesuffix('linear.weight')}{bound}", SCALAR
-    return None
-
-
 def _gguf_name(towers: list[TowerNames], hf_name: str) -> str:
     """The mmproj name llama.cpp's converter gives a Hugging Face tower tensor (for errors)."""
     for tower in towers:
@@ -93,7 +77,8 @@ def _gguf_name(towers: list[TowerNames], hf_name: str) -> str:
             if hf == hf_name:
                 return gguf
         if hf_name.startswith(tower.hf_layer_prefix):
-            layer, _, rest = hf_name.removeprefix(tower.hf_layer_prefix).partition(".")
+            parts = hf_name.removeprefix(tower.hf_layer_prefix).split(".", tower.layer_depth)
+            layer, rest = ".".join(parts[:-1]), parts[-1]
             for suffix, hf in tower.layer.items():
                 if rest == hf:
                     return f"{tower.layer_prefix}{layer}.{suffix}"
@@ -113,7 +98,7 @@ class MmprojFile:
         self.entries: list[_TowerEntry] = []
         unknown = []
         for name, info in file.tensors.items():
-            found = next((m for t in self.towers if t.owns(name) and (m := _hf_name(t, name))), None)
+            found = next((m for t in self.towers if (m := t.hf_name(name))), None)
             if found is None:
                 unknown.append(name)
                 continue
@@ -129,9 +114,16 @@ class MmprojFile:
                 f"tower of llama.cpp's names, e.g. {', '.join(unknown[:5])}"
             )
 
-    def configs(self) -> dict[str, dict]:
-        """``{"vision_config": {...}, "audio_config": {...}}`` for the towers the file holds."""
-        return dict(tower.config(self.metadata, self.file.tensors, self.name) for tower in self.towers)
+    def configs(self) -> dict[str, Any]:
+        """``{"vision_config": {...}, "audio_config": {...}}`` for the towers the file holds (and
+        their top-level fields, such as Gemma 3's ``mm_tokens_per_image``)."""
+        out = {}
+        for tower in self.towers:
+            key, config = tower.config(self.metadata, self.file.tensors, self.name)
+            out[key] = config
+            if tower.top_level is not None:
+                out.update(tower.top_level(self.metadata, self.file.tensors, self.name))
+        return out
 
     def projection_width(self, tower: TowerNames) -> int | None:
         """The text width the tower's soft tokens are projected into (``clip.*.projection_dim``)."""

@@ -4,11 +4,11 @@ llama.cpp ships a model's vision and audio towers apart from its text model, in 
 (``general.architecture`` "clip") that ``convert_hf_to_gguf.py --mmproj`` writes. Each tower is
 named by its projector type (``clip.vision.projector_type`` / ``clip.audio.projector_type``). The
 tables here are those of the converter that llama-cpp-python 0.3.36 vendors
-(conversion/gemma.py: ``Gemma4VisionAudioModel``; gguf-py's tensor_mapping; tools/mtmd/clip.cpp,
+(conversion/gemma.py: ``Gemma4VisionAudioModel``, ``Gemma3VisionModel``; gguf-py's tensor_mapping; tools/mtmd/clip.cpp,
 which reads them), checked against that converter's own output of a tiny checkpoint
 (tests/data/make_mmproj_fixture.py).
 
-Adding a tower (Gemma 3's SigLIP, ``gemma3``; Gemma 3n's ``gemma3nv`` / ``gemma3na``): write its
+Adding a tower (Gemma 3n's ``gemma3nv`` / ``gemma3na``): write its
 ``TowerNames`` (the converter's per-layer and global names to the checkpoint's, the converter's
 changes undone by ``Transform``s, e.g. Gemma 3's ``soft_emb_norm`` stored as ``1 + w``, and the
 Hugging Face ``{vision,audio}_config`` its metadata and tensor shapes give), register it in
@@ -16,6 +16,8 @@ Hugging Face ``{vision,audio}_config`` its metadata and tensor shapes give), reg
 ``model_type``, the media token texts, the text config fields the pair decides). Strictness comes
 with it: mmproj.py refuses tensors no table names and checks every tensor against the model the
 config builds. Test it on llama.cpp's own conversion: tests/data/make_mmproj_fixture.py.
+
+Gemma 3n's vision tower (``GEMMA3N_VISION``, below) is named but not yet registered in ``TOWERS``.
 """
 
 from __future__ import annotations
@@ -103,9 +105,32 @@ class TowerNames:
     clip_bounds: bool = False
     # The MultimodalLayout (LAYOUTS) the towers and the text model make together.
     layout: str = "gemma4"
+    # Top-level config.json fields of this tower (Gemma 3's mm_tokens_per_image), as ``config``.
+    top_level: Callable[[Mapping[str, Any], Mapping[str, _TensorInfo], str], dict] | None = None
+    # How many indices number a layer: 2 for MobileNet-V5's blocks (stage.block).
+    layer_depth: int = 1
 
     def owns(self, name: str) -> bool:
         return name in self.globals or name.startswith(self.layer_prefix)
+
+    def hf_name(self, name: str) -> tuple[str, Transform | None] | None:
+        """The Hugging Face name of one mmproj tensor of this tower and the transform that undoes
+        the converter's change, or None if the table has no such name."""
+        if name in self.globals:
+            return self.globals[name], self.transforms.get(name)
+        if not name.startswith(self.layer_prefix):
+            return None
+        parts = name.removeprefix(self.layer_prefix).split(".", self.layer_depth)
+        if len(parts) <= self.layer_depth or not all(p.isdigit() and str(int(p)) == p for p in parts[:-1]):
+            return None
+        layer, suffix = ".".join(parts[:-1]), parts[-1]
+        if suffix in self.layer:
+            return f"{self.hf_layer_prefix}{layer}.{self.layer[suffix]}", self.transforms.get(suffix)
+        base, _, bound = suffix.rpartition(".")
+        hf_weight = self.layer.get(f"{base}.weight", "")
+        if self.clip_bounds and bound in BOUNDS and hf_weight.endswith(".linear.weight"):
+            return f"{self.hf_layer_prefix}{layer}.{hf_weight.removesuffix('linear.weight')}{bound}", SCALAR
+        return None
 
 
 def clip_meta(metadata: Mapping[str, Any], modality: str, key: str, fname: str, default: Any = None) -> Any:
@@ -312,8 +337,66 @@ UNIFIED_AUDIO = TowerNames(
     layout="gemma4_unified",
 )
 
+
+def _gemma3_vision_config(meta: Mapping[str, Any], tensors: Mapping[str, _TensorInfo], fname: str):
+    """SigLIP's sizes (Gemma3VisionModel writes them); transformers' SiglipVisionConfig fields."""
+    m = lambda key, default=None: clip_meta(meta, "vision", key, fname, default)  # noqa: E731
+    return "vision_config", {
+        "hidden_size": m("embedding_length"),
+        "intermediate_size": m("feed_forward_length"),
+        "num_hidden_layers": m("block_count"),
+        "num_attention_heads": m("attention.head_count"),
+        "image_size": m("image_size"),
+        "patch_size": m("patch_size"),
+        "layer_norm_eps": m("attention.layer_norm_epsilon", 1e-6),
+    }
+
+
+def _gemma3_soft_tokens(meta: Mapping[str, Any], tensors: Mapping[str, _TensorInfo], fname: str) -> dict:
+    """Soft tokens per image: the patch grid average-pooled by ``clip.vision.projector.scale_factor``
+    per side (the converter writes it only when it is not 4, Gemma 3's 64 -> 16; clip.cpp's default)."""
+    m = lambda key, default=None: clip_meta(meta, "vision", key, fname, default)  # noqa: E731
+    side = m("image_size") // m("patch_size") // m("projector.scale_factor", 4)
+    return {"mm_tokens_per_image": side * side}
+
+
+# Gemma 3 4B-27B (Gemma3VisionModel): SigLIP's layers, then the projector (a (1 + w) RMSNorm, which
+# the converter stores as 1 + w, and a bare matrix, written with ".weight").
+_SIGLIP_LAYER = {
+    "ln1": "layer_norm1",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_out": "self_attn.out_proj",
+    "ln2": "layer_norm2",
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_SIGLIP_GLOBAL = {
+    "v.patch_embd": "model.vision_tower.embeddings.patch_embedding",
+    "v.position_embd": "model.vision_tower.embeddings.position_embedding",
+    "v.post_ln": "model.vision_tower.post_layernorm",
+}
+GEMMA3_VISION = TowerNames(
+    projector="gemma3",
+    modality="vision",
+    models=("gemma3",),
+    layer_prefix="v.blk.",
+    hf_layer_prefix="model.vision_tower.encoder.layers.",
+    layer={f"{g}.{leaf}": f"{hf}.{leaf}" for g, hf in _SIGLIP_LAYER.items() for leaf in ("weight", "bias")},
+    globals={
+        **{f"{g}.{leaf}": f"{hf}.{leaf}" for g, hf in _SIGLIP_GLOBAL.items() for leaf in ("weight", "bias")},
+        "mm.soft_emb_norm.weight": "model.multi_modal_projector.mm_soft_emb_norm.weight",
+        "mm.input_projection.weight": "model.multi_modal_projector.mm_input_projection_weight",
+    },
+    transforms={"mm.soft_emb_norm.weight": Transform(lambda t: t - 1.0, lambda s: s)},
+    config=_gemma3_vision_config,
+    layout="gemma3",
+    top_level=_gemma3_soft_tokens,
+)
+
 TOWERS: dict[str, TowerNames] = {
-    t.projector: t for t in (GEMMA4_VISION, GEMMA4_AUDIO, UNIFIED_VISION, UNIFIED_AUDIO)
+    t.projector: t for t in (GEMMA4_VISION, GEMMA4_AUDIO, UNIFIED_VISION, UNIFIED_AUDIO, GEMMA3_VISION)
 }
 
 
@@ -365,4 +448,77 @@ LAYOUTS: dict[str, MultimodalLayout] = {
         media_tokens=GEMMA4_MEDIA_TOKENS,
         text_fields=lambda text, towers: {"use_bidirectional_attention": "vision"},
     ),
+    # Gemma 3 4B-27B: image blocks attend both ways on every layer (config/gemma3.py sets that for
+    # every gemma3 checkpoint; llama.cpp: mtmd_decode_use_non_causal for gemma3).
+    "gemma3": MultimodalLayout(
+        model_type="gemma3",
+        architecture="Gemma3ForConditionalGeneration",
+        media_tokens={
+            "boi_token_index": "<start_of_image>",
+            "eoi_token_index": "<end_of_image>",
+            "image_token_index": "<image_soft_token>",
+        },
+    ),
 }
+
+
+# ── Gemma 3n's vision tower (projector type gemma3nv) ────────────────────────────────────────────
+# The converter (convert_hf_to_gguf.py, Gemma3nVisionAudioModel) writes MobileNet-V5's blocks as
+# v.blk.{stage}.{block}.<timm's own suffix>, the stem, the adapter and the vision embedder through
+# gguf.tensor_mapping (v.conv_stem.conv, v.msfa.*, mm.*), and stores the stem's bias as (1, C, 1, 1)
+# (it means to do so for layer scales too, but those are all in blocks, which it names and writes
+# before that step). Its block table has no dw_end (the published blocks have none). Checked against
+# that converter's output for a tiny checkpoint (llama-cpp-python 0.3.36's, by hand: CI has no
+# llama.cpp): every tensor maps back, values equal. Not in TOWERS yet: the converter writes the
+# audio conformer (gemma3na) into the same file, and the block list (strides, kernel sizes, heads),
+# which llama.cpp infers from the tensors (clip.cpp, mobilenetv5.cpp), has no config function here.
+
+_TOWER = "model.vision_tower.timm_model."
+# The converter's block_tensor_mapping: timm's suffix kept as it is.
+GEMMA3N_BLOCK_SUFFIXES = frozenset(
+    [f"{part}.weight" for part in ("conv_exp", "bn1", "conv_pwl", "bn2", "norm")]
+    + [
+        f"{conv}.{kind}.weight"
+        for conv in ("dw_start", "dw_mid", "pw_exp", "pw_proj")
+        for kind in ("conv", "bn")
+    ]
+    + [f"attn.{head}.proj.weight" for head in ("query", "key", "value", "output")]
+    + [f"attn.{head}.{part}.weight" for head in ("key", "value") for part in ("down_conv", "norm")]
+    + ["layer_scale.gamma"]
+)
+
+
+def _stem_bias(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[2:] != (1, 1):
+        raise ValueError(
+            f"conv_stem.conv.bias: expected the converter's (1, C, 1, 1), got {tuple(tensor.shape)}"
+        )
+    return tensor.reshape(-1)
+
+
+GEMMA3N_VISION = TowerNames(
+    projector="gemma3nv",
+    modality="vision",
+    models=("gemma3n",),
+    layer_prefix="v.blk.",
+    hf_layer_prefix=_TOWER + "blocks.",
+    layer={suffix: suffix for suffix in GEMMA3N_BLOCK_SUFFIXES},
+    # gguf.tensor_mapping's Gemma 3n entries (the converter maps these names through it).
+    globals={
+        "v.conv_stem.conv.weight": _TOWER + "conv_stem.conv.weight",
+        "v.conv_stem.conv.bias": _TOWER + "conv_stem.conv.bias",
+        "v.conv_stem.bn.weight": _TOWER + "conv_stem.bn.weight",
+        "v.msfa.ffn.pw_exp.conv.weight": _TOWER + "msfa.ffn.pw_exp.conv.weight",
+        "v.msfa.ffn.pw_exp.bn.weight": _TOWER + "msfa.ffn.pw_exp.bn.weight",
+        "v.msfa.ffn.pw_proj.conv.weight": _TOWER + "msfa.ffn.pw_proj.conv.weight",
+        "v.msfa.ffn.pw_proj.bn.weight": _TOWER + "msfa.ffn.pw_proj.bn.weight",
+        "v.msfa.norm.weight": _TOWER + "msfa.norm.weight",
+        "mm.embedding.weight": "model.embed_vision.embedding.weight",
+        "mm.hard_emb_norm.weight": "model.embed_vision.hard_embedding_norm.weight",
+        "mm.input_projection.weight": "model.embed_vision.embedding_projection.weight",
+        "mm.soft_emb_norm.weight": "model.embed_vision.soft_embedding_norm.weight",
+    },
+    transforms={"v.conv_stem.conv.bias": Transform(_stem_bias, lambda s: (s[1],) if len(s) == 4 else s)},
+    layout="gemma3n",
+    layer_depth=2,
+)
