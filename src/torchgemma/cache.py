@@ -72,6 +72,9 @@ class CacheStep:
     slots: list[int] | None = None
     counts: list[int] | None = None
     starts: list[int] | None = None
+    # Each query attends as a one-token call at its position would (a speculative verify pass:
+    # ``model.attention.attend_apart``), rather than as one causal block.
+    apart: bool = False
 
     @property
     def common_start(self) -> int | None:
@@ -446,10 +449,13 @@ class KVCache:
 
     # ── steps ────────────────────────────────────────────────────────────────────────────────
 
-    def step(self, slots: Sequence[int], length: int, valid: torch.Tensor | None = None) -> CacheStep:
+    def step(
+        self, slots: Sequence[int], length: int, valid: torch.Tensor | None = None, apart: bool = False
+    ) -> CacheStep:
         """A call of ``length`` tokens per row, row ``b`` appending to slot ``slots[b]``.
 
         ``valid`` (B, T) marks real tokens (None: all); padding is neither stored nor counted.
+        ``apart``: see ``CacheStep.apart``.
         """
         slots = [int(s) for s in slots]
         for slot in slots:
@@ -489,6 +495,7 @@ class KVCache:
             slots=slots,
             counts=counts,
             starts=starts,
+            apart=apart,
         )
 
     def decode_step(self, positions: torch.Tensor, active: torch.Tensor) -> CacheStep:

@@ -49,8 +49,10 @@ from .constraints import Grammar, constrained_token, fill_masks
 from .fork import admit_forks, enqueue, leave_fork, spread_forks
 from .invariance import RowProbe
 from .prefix_cache import PrefixCache, load_chain, media_start
-from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs
+from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs, token_logprobs
 from .sampling import SamplingParams, next_token
+from .speculative import SpeculativeStats, speculative_config
+from .verify import speculative_decode
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -91,6 +93,7 @@ class Engine:
         greedy_head: bool = True,
         batch_invariant: bool | None = None,
         prefix_cache: PrefixCache | None = None,
+        speculative: Any = None,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -98,6 +101,12 @@ class Engine:
         # A prefix cache stores each prefill chunk after its forward: the sliding rings must still
         # hold all of it then (they hold W + max_rollback positions otherwise).
         min_ring = 0 if prefix_cache is None else prefill_chunk
+        # Speculative decoding (speculative.py): rejected drafts are taken back from the cache.
+        self.speculation = speculative_config(speculative, model)
+        self.speculative_stats = SpeculativeStats()
+        if self.speculation is not None:
+            max_rollback = max(max_rollback, self.speculation.num_tokens)
+            min_ring = max(min_ring, self.speculation.min_ring(max_rollback))
         if cache is None:
             cache = KVCache(
                 model.config.text,
@@ -115,6 +124,11 @@ class Engine:
                     f"the cache's sliding layers hold {cache.ring} positions, fewer than prefill_chunk "
                     f"({prefill_chunk}): a prefix cache stores whole chunks; make it with "
                     f"KVCache(..., min_ring={prefill_chunk})"
+                )
+            if self.speculation is not None and cache.max_rollback < self.speculation.num_tokens:
+                raise ValueError(
+                    f"speculative decoding of {self.speculation.num_tokens} tokens takes back up to that "
+                    f"many: the cache was made with max_rollback={cache.max_rollback}"
                 )
             cache.reset()
         self.cache = cache
@@ -137,6 +151,10 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._compiled = getattr(model, "compiled_decode", None)
+        if self._compiled is not None and self.speculation is not None:
+            raise ValueError(
+                "speculative decoding does not run with a compiled decode step (torchgemma.compile)"
+            )
         # Plain greedy requests (no penalty, constraint or log-probabilities) take their token from
         # the head's argmax alone, which a quantized head finds without computing every logit
         # exactly (TextModel.greedy): the same token, ~30% less of the head's time on the CPU.
@@ -255,6 +273,8 @@ class Engine:
                     outputs += [self._fail(request, error) for request in group]
                     continue
                 outputs += [self._emit_or_fail(request, choice) for request, choice in zip(members, choices)]
+            if decoding and self.speculation is not None:  # drafts verified in the pass (verify.py)
+                return outputs + speculative_decode(self, decoding)
             if decoding:
                 # The decode forward is shared: if it fails (nobody's input), its members fail.
                 try:
@@ -327,42 +347,48 @@ class Engine:
     def _emit(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
         """Pick the request's next token from its logits (1, V), or take the one already chosen
         (a plain greedy request's), and record it."""
-        logprobs = None
         if isinstance(choice, int):
-            token = choice
+            return self._record(request, choice, None)
+        return self._record(request, *self._choose(request, choice))
+
+    def _choose(self, request: Request, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        """The request's next token from its logits (1, V), and its log-probabilities if asked."""
+        logprobs = None
+        # Its lowest and highest logits are finite iff all are (NaN propagates through both):
+        # one pass, ~20x cheaper than isfinite().all() over 262,144 logits.
+        if not torch.isfinite(torch.stack(torch.aminmax(logits))).all():
+            raise NonFiniteLogits(
+                f"the model produced non-finite logits (NaN or inf) for request {request.request_id!r} "
+                f"at its token {len(request.output)}: its weights or activations are broken "
+                "(a checkpoint with NaN or inf values, or a dtype that overflows)"
+            )
+        history = generated = None
+        if request.params.repetition_penalty not in (None, 1.0):
+            history = torch.tensor([request.prompt + request.output], device=logits.device)
+        if request.params.penalizes_output:
+            generated = torch.tensor([request.output], dtype=torch.long, device=logits.device)
+        if request.constraint is not None:
+            token, ended = constrained_token(
+                request.constraint, logits, request.params, request.generator, history, generated
+            )
+            if ended:  # the end token of a constraint given no stop ids
+                request.finish_reason = "stop"
         else:
-            logits = choice
-            # Its lowest and highest logits are finite iff all are (NaN propagates through both):
-            # one pass, ~20x cheaper than isfinite().all() over 262,144 logits.
-            if not torch.isfinite(torch.stack(torch.aminmax(logits))).all():
-                raise NonFiniteLogits(
-                    f"the model produced non-finite logits (NaN or inf) for request {request.request_id!r} "
-                    f"at its token {len(request.output)}: its weights or activations are broken "
-                    "(a checkpoint with NaN or inf values, or a dtype that overflows)"
-                )
-            history = generated = None
-            if request.params.repetition_penalty not in (None, 1.0):
-                history = torch.tensor([request.prompt + request.output], device=logits.device)
-            if request.params.penalizes_output:
-                generated = torch.tensor([request.output], dtype=torch.long, device=logits.device)
-            if request.constraint is not None:
-                token, ended = constrained_token(
-                    request.constraint, logits, request.params, request.generator, history, generated
-                )
-                if ended:  # the end token of a constraint given no stop ids
-                    request.finish_reason = "stop"
-            else:
-                token = int(
-                    next_token(
-                        logits,
-                        request.params,
-                        generator=request.generator,
-                        history=history,
-                        generated=generated,
-                    )[0]
-                )
-            if request.logprobs is not None:
-                logprobs = _logprobs(logits[0], token, request.logprobs)
+            token = int(
+                next_token(
+                    logits,
+                    request.params,
+                    generator=request.generator,
+                    history=history,
+                    generated=generated,
+                )[0]
+            )
+        if request.logprobs is not None:
+            logprobs = token_logprobs(logits[0], token, request.logprobs)
+        return token, logprobs
+
+    def _record(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
+        """Append a chosen token to the request's output; finish the request if it ends there."""
         request.output.append(token)
         if request.finish_reason is not None or token in request.stop_token_ids:
             request.finish_reason = "stop"
@@ -468,17 +494,7 @@ class Engine:
         """For each request, from its final-normed hidden state (n, H): its greedy token where
         that is all it needs, else its float32 logits (1, V)."""
         lm = self.model.language_model
-        plain = [
-            i
-            for i, r in enumerate(requests)
-            if self.greedy_head
-            and r.params.greedy
-            and r.params.repetition_penalty in (None, 1.0)
-            and not r.params.penalizes_output
-            and not r.params.logit_bias
-            and r.constraint is None
-            and r.logprobs is None
-        ]
+        plain = [i for i, r in enumerate(requests) if self.greedy_head and r.plain_greedy]
         if plain:
             # The argmax of NaN logits is token 0, forever: a row whose hidden state is not finite
             # takes the logits path instead, where _emit refuses it with the reason (H values per
@@ -486,6 +502,9 @@ class Engine:
             finite = torch.isfinite(normed[plain]).all(dim=-1).tolist()
             plain = [i for i, ok in zip(plain, finite) if ok]
         rest = [i for i in range(len(requests)) if i not in plain]
+        if self.speculation is not None and self.speculation.drafter.needs_hidden:
+            for request, hidden in zip(requests, normed):
+                request.hidden = hidden  # what an MTP drafter reads next (speculative.py)
         choices: list[torch.Tensor | int] = [0] * len(requests)
         if plain:
             for i, token in zip(plain, lm.greedy(normed[plain]).tolist()):
@@ -535,12 +554,6 @@ class Engine:
         logits = self._compiled(self.cache, tokens, positions.to(device), active.to(device))
         self.cache.advance(slots)
         return [logits[slot : slot + 1] for slot in slots]
-
-
-def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
 
 
 def _token_list(input_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:

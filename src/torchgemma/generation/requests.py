@@ -25,6 +25,13 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability and the ``top`` most likely tokens' under ``logits`` (V,)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """What one ``Engine.step()`` did for one request: a token, or the error that ended it.
@@ -87,7 +94,25 @@ class Request:
     # prefill this one waits for.
     followers: list[Request] = field(default_factory=list, compare=False, repr=False)
     leader: Request | None = field(default=None, compare=False, repr=False)
+    # Speculative decoding (speculative.py): its drafting budget, and the target's final-normed
+    # hidden state at the position that produced its last token (for drafters that read it).
+    drafting: Any = field(default=None, compare=False, repr=False)
+    hidden: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def decoding(self) -> bool:
         return bool(self.output)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing but the logits' argmax to decide (no penalty, bias, constraint or
+        log-probabilities): the head's argmax alone gives its token (``TextModel.greedy``)."""
+        p = self.params
+        return (
+            p.greedy
+            and p.repetition_penalty in (None, 1.0)
+            and not p.penalizes_output
+            and not p.logit_bias
+            and self.constraint is None
+            and self.logprobs is None
+        )

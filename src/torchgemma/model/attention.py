@@ -36,6 +36,9 @@ class AttentionInputs:
     causal: bool = False
     key_slice: slice | None = None
     rows: list[tuple[int, int, bool]] | None = None
+    # Queries apart (a speculative verify pass): for each row, each real query's ``(start, end,
+    # causal_alone)`` as a one-token call would read them; see ``attend_apart``.
+    queries: list[list[tuple[int, int, bool]]] | None = None
 
     def last(self, n: int) -> AttentionInputs:
         """The same for the last ``n`` queries only."""
@@ -142,6 +145,38 @@ def sdpa_attention(
     )
     # Unpacks the packed heads (a no-op otherwise).
     return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2)
+
+
+def attend_apart(
+    backend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    inputs: AttentionInputs,
+    scale: float,
+) -> torch.Tensor:
+    """Each real query of each row through ``backend`` as the query of a one-token call at its
+    position (a decode step) would go: the same keys in the same order, the same mask or none, so
+    the same bits. A speculative verify pass scores k + 1 tokens of a sequence this way; padded
+    queries (past a row's real ones) get zeros. Returns (B, T, H, D)."""
+    batch, heads, length, _ = query.shape
+    out = query.new_zeros(batch, length, heads, value.shape[-1])
+    for b, ranges in enumerate(inputs.queries):
+        n = len(ranges)
+        if not n:
+            continue
+        # The row's queries as n one-token rows over the row's keys (a view: no copy of the keys).
+        sub = AttentionInputs(
+            inputs.cos[b : b + 1],
+            inputs.sin[b : b + 1],
+            inputs.mask[b, :, :n, None].transpose(0, 1),
+            rows=ranges,
+        )
+        q = query[b, :, :n, None].transpose(0, 1)  # (n, H, 1, D)
+        k = key[b : b + 1].expand(n, -1, -1, -1)
+        v = value[b : b + 1].expand(n, -1, -1, -1)
+        out[b, :n] = backend(q, k, v, sub, scale)[:, 0]
+    return out
 
 
 # What each backend name runs.

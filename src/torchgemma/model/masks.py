@@ -15,8 +15,15 @@ from ..cache import CacheStep, KVCache
 from .attention import AttentionInputs
 
 # (allowed (B, 1, T, S), the key slice every row reads or None, each row's key range or None,
-# whether causality alone says it all): what uncached_keys and cached_keys return.
-Keys = tuple[torch.Tensor, slice | None, list[tuple[int, int, bool]] | None, bool]
+# whether causality alone says it all, each query's key range when queries attend apart or None):
+# what uncached_keys and cached_keys return.
+Keys = tuple[
+    torch.Tensor,
+    slice | None,
+    list[tuple[int, int, bool]] | None,
+    bool,
+    list[list[tuple[int, int, bool]]] | None,
+]
 
 
 def allowed_keys(
@@ -75,7 +82,7 @@ def uncached_keys(length, valid, window, vision_blocks, bidirectional, device, b
         and (window is None or length < window)
         and (valid is None or bool(valid.all()))
     )
-    return allowed, None, None, trivial
+    return allowed, None, None, trivial, None
 
 
 def cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, block_layers="sliding"):
@@ -108,6 +115,8 @@ def cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, 
         past = cache.past_len
         ranges = None if step.starts is None else [(past - min(s, past), past + length) for s in step.starts]
     allowed = allowed_keys(step.positions, key_index, key_valid, window, blocks, False, blocks_past_window)
+    if step.apart:
+        return allowed, None, None, False, apart_ranges(step, window, cache.past_len)
 
     key_slice, rows, trivial = None, None, False
     if ranges is not None:
@@ -127,21 +136,40 @@ def cached_keys(cache: KVCache, step: CacheStep, window, vision_blocks, device, 
             trivial = alone[0]
         else:
             rows = [(start, end, a) for (start, end), a in zip(ranges, alone)]
-    return allowed, key_slice, rows, trivial
+    return allowed, key_slice, rows, trivial, None
+
+
+def apart_ranges(step: CacheStep, window: int | None, past: int) -> list[list[tuple[int, int, bool]]]:
+    """For each row, each real query's key range in this call's keys, as a one-token call at the
+    query's position would read them (``cached_keys``), and whether that call would skip the sdpa
+    mask. Full layers: columns [0, q]; sliding layers: the ``past`` keys before the call, then the
+    call's own, of which query ``i`` (position ``q``) sees positions ``max(0, q - W + 1) .. q``."""
+    queries = []
+    for start, count in zip(step.starts, step.counts):
+        ranges = []
+        for i in range(count):
+            q = start + i
+            if window is None:
+                ranges.append((0, q + 1, True))
+            else:
+                first = past + max(0, q - window + 1) - start
+                ranges.append((first, past + i + 1, past + i + 1 - first < window))
+        queries.append(ranges)
+    return queries
 
 
 def attention_inputs(
     keys: Keys, cos: torch.Tensor, sin: torch.Tensor, backend: str, dtype: torch.dtype
 ) -> AttentionInputs:
     """``keys`` and a layer type's RoPE tables (B, T, D) as the attention ``backend`` takes them."""
-    allowed, key_slice, rows, trivial = keys
+    allowed, key_slice, rows, trivial, queries = keys
     if key_slice is not None:
         allowed = allowed[..., key_slice]
     if backend == "sdpa" and trivial:
         # As transformers' sdpa path: no mask when causality alone says it all.
         return AttentionInputs(cos, sin, None, causal=True, key_slice=key_slice)
     if backend == "sdpa":
-        return AttentionInputs(cos, sin, allowed, key_slice=key_slice, rows=rows)
+        return AttentionInputs(cos, sin, allowed, key_slice=key_slice, rows=rows, queries=queries)
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     additive = torch.where(allowed, zero, torch.finfo(dtype).min)
-    return AttentionInputs(cos, sin, additive, key_slice=key_slice, rows=rows)
+    return AttentionInputs(cos, sin, additive, key_slice=key_slice, rows=rows, queries=queries)

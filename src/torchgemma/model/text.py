@@ -34,7 +34,7 @@ from torch import nn
 
 from ..cache import CacheStep, FullLayerCache, KVCache, SlidingLayerCache
 from ..config import LayerSpec, MediaVocabulary, RopeSpec, TextConfig
-from .attention import ATTENTION, ATTENTION_BACKENDS, AttentionInputs
+from .attention import ATTENTION, ATTENTION_BACKENDS, AttentionInputs, attend_apart
 from .layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin, rounded_scales
 from .masks import attention_inputs, cached_keys, uncached_keys
 
@@ -188,7 +188,11 @@ class Attention(nn.Module):
             if spec.kv_role == "store":
                 shared_kv[spec.index] = (key, value)
 
-        out = self.backends[self.backend](query, key, value, inputs, self.scale)  # (B, T, H, D)
+        backend = self.backends[self.backend]
+        if inputs.queries is None:
+            out = backend(query, key, value, inputs, self.scale)  # (B, T, H, D)
+        else:
+            out = attend_apart(backend, query, key, value, inputs, self.scale)
         return self.o_proj(out.reshape(batch, length, -1))
 
 
@@ -642,6 +646,7 @@ class TextModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         vision_blocks: torch.Tensor | None = None,
         head: bool = True,
+        apart: bool = False,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T', vocab), T' = keep_last or T.
 
@@ -653,6 +658,8 @@ class TextModel(nn.Module):
         ``head=False`` returns the final-normed hidden states (B, T', H) instead of logits: what
         transformers' text models return as ``last_hidden_state`` (sentence embeddings pool them;
         EmbeddingGemma 2's are projected to ``embedding_dim``).
+        ``apart`` (with a cache): each query attends as a one-token call at its position would
+        (``CacheStep.apart``: a speculative verify pass).
         """
         batch, length = input_ids.shape
         valid = None
@@ -676,7 +683,7 @@ class TextModel(nn.Module):
                 slots = list(range(batch))
             elif len(slots) != batch:
                 raise ValueError(f"{len(slots)} slots given for {batch} rows")
-            step = cache.step(slots, length, valid)
+            step = cache.step(slots, length, valid, apart)
         layout = self.layout(input_ids, valid, cache, step, vision_blocks)
         logits = self.run(input_ids, layout, cache, step, keep_last, inputs_embeds, head)
         if cache is not None:
