@@ -38,7 +38,9 @@ from .embedding import MODULES_FILE, SentenceHead, check_embedding_rows
 from .embedding_media import EmbeddingInput, embed_inputs
 from .generation import MEDIA_INPUTS, GenerationConfig, GenerationStats, Grammar, SamplingParams, stream
 from .generation.constraints import chat_grammar, grammar_for_response_format
+from .generation.generate import left_pad
 from .generation.prefix_cache import prefix_cache_of
+from .generation.speculative import speculative_config
 from .model.inputs import MediaInputs
 from .processing.processor import ProcessedPrompt, Processor
 from .replies import Delta, ReplyStream, ToolCall, parse_reply
@@ -109,6 +111,8 @@ class LLM:
     (``llm.prefix_cache``, a ``generation.prefix_cache.PrefixCache``): a prompt that begins as an
     earlier one did (the conversation so far, a shared system prompt) prefills only the rest, with
     the same results; ``llm.prefix_cache.stats()`` counts what it saved. 0 turns it off.
+    ``speculative``: speculative decoding for every call (``generation/speculative.py``): ``"ngram"``,
+    ``{"method": "ngram" | "mtp", "num_tokens": k, "model": ...}``; the same tokens when greedy.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class LLM:
         quantize: str | None = "auto",
         prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
         mmproj: str | Path | None = None,
+        speculative: Any = None,
         **load_options: Any,
     ) -> None:
         prefix_cache = prefix_cache_of(prefix_cache_gb)  # checked before the load
@@ -159,6 +164,7 @@ class LLM:
             towers_note=self.model.towers_note,
         )
         self.prefix_cache = prefix_cache
+        self.speculative = speculative_config(speculative, self.model)
 
     @property
     def context_length(self) -> int:
@@ -220,10 +226,10 @@ class LLM:
         ``video_position_ids`` / ``num_frames_per_video``.
         """
         expanded = self.processor.expand(prompts, images, audio, videos)
-        input_ids, mask = _left_pad(expanded.input_ids, self.generation_config.pad_token_id or 0)
+        input_ids, mask = left_pad(expanded.input_ids, self.generation_config.pad_token_id or 0)
         inputs = {"input_ids": input_ids, "attention_mask": mask}
         if expanded.mm_token_type_ids is not None:
-            inputs["mm_token_type_ids"] = _left_pad(expanded.mm_token_type_ids, 0)[0]
+            inputs["mm_token_type_ids"] = left_pad(expanded.mm_token_type_ids, 0)[0]
         return {**inputs, **expanded.media}
 
     def chat_inputs(
@@ -514,6 +520,7 @@ class LLM:
             stats=run.stats,
             prefix_cache=self.prefix_cache,
             constraint=run.grammar,
+            speculative=self.speculative,
         )
 
     def _tokens(self, request: ProcessedPrompt, run: _Run, *, keep_stop: bool = False) -> Iterator[int]:
@@ -575,17 +582,6 @@ class _Run:
     max_new_tokens: int
     stats: GenerationStats | None
     grammar: Grammar | None = None
-
-
-def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of different lengths as one (B, L) batch padded on the left, and its attention mask."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, ids in enumerate(rows):
-        input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
-        mask[row, width - len(ids) :] = 1
-    return input_ids, mask
 
 
 def _chunk(delta: Delta) -> ChatChunk:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..generation import SamplingParams
+from ..generation.speculative import parse_cli
 from .options import auto_threads, default_threads
 
 # Flags that only matter when sampling: given without --temperature they switch sampling on.
@@ -158,6 +159,9 @@ def load_llm(args: argparse.Namespace):
             activations=None if args.activations == "float" else args.activations,
             mmproj=args.mmproj,
             **parallel_options(args),
+            speculative=parse_cli(
+                getattr(args, "speculative", None), getattr(args, "num_speculative_tokens", None)
+            ),
         )
     if args.compile:
         from ..acceleration import compile

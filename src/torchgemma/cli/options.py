@@ -186,8 +186,35 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        type=parse_speculative,
+        default=None,
+        metavar="ngram|mtp:SOURCE",
+        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and reply, for "
+        "replies that quote their input) or mtp:SOURCE (a Gemma 4 assistant drafter); greedy replies are "
+        "the same token for token, sampled ones the same distribution (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int_at_least(1),
+        default=None,
+        metavar="K",
+        help="most draft tokens per request and step, with --speculative (default: 4)",
+    )
+
+
+def parse_speculative(text: str) -> str:
+    method, _, source = text.partition(":")
+    if method not in ("ngram", "mtp") or (method == "mtp") != bool(source):
+        raise argparse.ArgumentTypeError(f"--speculative takes ngram or mtp:SOURCE, not {text!r}")
+    return text
+
+
 def add_generation_flags(parser: argparse.ArgumentParser, quiet: str, verbose: str) -> None:
     add_model_flags(parser)
+    add_speculative_flags(parser)
     parser.add_argument(
         "--max-new-tokens",
         type=int_at_least(1),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .chat import read_template
 from .common import CLIError, importable, load_llm, prepare
-from .options import add_model_flags, add_parallel_flags, float_where, int_at_least
+from .options import add_model_flags, add_parallel_flags, add_speculative_flags, float_where, int_at_least
 
 # The environment variable that can hold the API key (unlike --api-key, not shown by `ps`).
 API_KEY_ENV = "TORCHGEMMA_API_KEY"
@@ -32,6 +32,7 @@ def add_parser(commands) -> None:
     )
     add_model_flags(serve)
     add_parallel_flags(serve)
+    add_speculative_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int_at_least(0), default=8000)
     serve.add_argument(

@@ -39,7 +39,9 @@ class GenerationStats:
 
     Prefill time runs up to the first new token; decode time covers the steps after it.
     ``prompt_tokens`` counts real prompt tokens of all rows, ``steps`` new tokens per row,
-    ``cached_tokens`` the prompt tokens of all rows taken from a prefix cache (not prefilled).
+    ``cached_tokens`` the prompt tokens of all rows taken from a prefix cache (not prefilled);
+    with ``speculative=``, ``drafted_tokens`` and ``accepted_tokens`` count the draft tokens scored
+    and kept.
     """
 
     batch: int = 0
@@ -48,6 +50,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cached_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -105,6 +109,7 @@ def stream(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     prefix_cache: PrefixCache | None = None,
     constraint: Grammar | None = None,
+    speculative: Any = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over the next token of every row (B,), one step at a time; see ``generate``.
 
@@ -146,7 +151,7 @@ def stream(
     stats = stats if stats is not None else GenerationStats()
     stats.batch, stats.prompt_tokens, stats.steps = batch, sum(len(row) for row in rows), 0
     stats.prefill_seconds = stats.decode_seconds = 0.0
-    stats.cached_tokens = 0
+    stats.cached_tokens = stats.drafted_tokens = stats.accepted_tokens = 0
     if max_new_tokens == 0:
         return iter(())
     engine = Engine(
@@ -160,6 +165,7 @@ def stream(
         # 10^9 new tokens that stops after one allocates for one.
         preallocate=False,
         prefix_cache=prefix_cache,
+        speculative=speculative,
     )
     embedded = [None] * batch
     row_media = None
@@ -199,6 +205,8 @@ def _loop(engine: Engine, batch: int, pad: torch.Tensor, stats: GenerationStats)
             stats.cached_tokens += output.cached_tokens
             finished[output.request_id] = finished[output.request_id] or output.finished
         elapsed = time.perf_counter() - started
+        stats.drafted_tokens = engine.speculative_stats.drafted_tokens
+        stats.accepted_tokens = engine.speculative_stats.accepted_tokens
         if yielded == 0:
             stats.prefill_seconds += elapsed
         else:
@@ -299,6 +307,7 @@ def generate(
     stats: GenerationStats | None = None,
     prefix_cache: PrefixCache | None = None,
     constraint: Grammar | None = None,
+    speculative: Any = None,
 ) -> torch.Tensor | list[list[int]]:
     """Continue the prompts ``input_ids`` (B, L); returns (B, L + N): the prompts, then new tokens.
 
@@ -330,6 +339,9 @@ def generate(
       ``pixel_values_videos`` with ``video_position_ids`` and ``num_frames_per_video``, and
       ``mm_token_type_ids`` (B, L); ``MediaInputs.from_dict`` takes them by name. They are used by
       the prefill only, as transformers' ``generate`` uses them.
+    * ``speculative``: speculative decoding (``generation/speculative.py``): ``"ngram"`` (prompt
+      lookup), ``{"method": "ngram", "num_tokens": k}`` or ``{"method": "mtp", "model": drafter,
+      "num_tokens": k}``; greedy output is the same token for token, sampling the same distribution.
     """
     tokens = list(
         stream(
@@ -345,6 +357,7 @@ def generate(
             stats=stats,
             prefix_cache=prefix_cache,
             constraint=constraint,
+            speculative=speculative,
         )
     )
     if not isinstance(input_ids, torch.Tensor):
@@ -369,3 +382,14 @@ def _rows_with_replies(prompts, steps, stop_token_ids, generation_config, model)
                 break
         rows.append(list(prompt) + reply)
     return rows
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one (B, L) batch padded on the left, and its attention mask."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    return input_ids, mask

@@ -65,7 +65,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -236,7 +236,12 @@ def speculative_config(speculative: Any, target=None) -> SpeculativeConfig | Non
     None (off), ``"ngram"``, ``{"method": "ngram", "num_tokens": k}``, ``{"method": "mtp",
     "model": SOURCE_OR_DRAFTER, "num_tokens": k}`` or a ``SpeculativeConfig``. ``target``: the model
     drafted for (an MTP source is loaded against it)."""
-    if speculative is None or isinstance(speculative, SpeculativeConfig):
+    if speculative is None:
+        return None
+    if isinstance(speculative, SpeculativeConfig):
+        drafter = speculative.drafter
+        if isinstance(drafter, NgramDrafter):  # each engine its own indexes (they are per slot)
+            return replace(speculative, drafter=NgramDrafter(drafter.max_n, drafter.min_n))
         return speculative
     if isinstance(speculative, str):
         speculative = {"method": speculative}

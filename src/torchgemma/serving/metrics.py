@@ -72,6 +72,10 @@ class Metrics:
         """Report ``store``'s counters (a ``PrefixCache``): read from it at each scrape."""
         self.registry.register(PrefixCacheCollector(store))
 
+    def watch_speculation(self, stats) -> None:
+        """Report an engine's speculative decoding counters (a ``SpeculativeStats``), read at each scrape."""
+        self.registry.register(SpeculativeCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -108,6 +112,23 @@ class PrefixCacheCollector:
             "The prefix cache's limit in bytes",
             value=self.store.max_bytes,
         )
+
+
+class SpeculativeCollector:
+    """Speculative decoding's counters (``Engine.speculative_stats``), read when /metrics is scraped."""
+
+    COUNTERS = (
+        ("drafted_tokens", "torchgemma_speculative_draft_tokens", "Draft tokens scored by verify passes"),
+        ("accepted_tokens", "torchgemma_speculative_accepted_tokens", "Draft tokens accepted"),
+        ("verify_passes", "torchgemma_speculative_verify_passes", "Forward passes that scored drafts"),
+    )
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        for key, name, help_text in self.COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=getattr(self.stats, key))
 
 
 # ── the request log ─────────────────────────────────────────────────────────────────────────

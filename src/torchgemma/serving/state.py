@@ -113,12 +113,15 @@ class ServerState:
                 prefill_chunk=prefill_chunk,
                 generation_config=llm.generation_config,
                 prefix_cache=prefix_cache,
+                speculative=getattr(llm, "speculative", None),
             )
         runner: EngineRunner | None = None  # the gauges read it once it exists
         metrics = Metrics(lambda: runner.running, lambda: runner.waiting)
         store = getattr(engine, "prefix_cache", None)
         if store is not None:
             metrics.watch_prefix_cache(store)
+        if getattr(engine, "speculation", None) is not None:
+            metrics.watch_speculation(engine.speculative_stats)
         runner = EngineRunner(engine, max_waiting=max_waiting, metrics=metrics)
         fingerprint = (
             "fp_"
