@@ -5,10 +5,12 @@
 The 270M in its default mode (the GGUF file's own blocks), greedy, one request at a time through
 ``Engine``, with and without ``speculative={"method": "ngram", "num_tokens": K}``:
 
-* ``copy``: prompts whose replies quote their input (repeat a passage, correct its spelling,
-  extract its sentences about one subject): the workload prompt lookup is for (target >= 1.5x);
-* ``free``: open-ended writing, where little is copied (target >= 0.95x: adaptive drafting must
-  keep verify passes that keep one token from slowing it).
+* ``copy``: prompts whose continuations quote them (a text with its spelling corrected, code with
+  a function renamed, an answer quoting a passage, a passage written out again): the workload
+  prompt lookup is for (target >= 1.5x);
+* ``free``: open-ended continuations (a story, an essay), where little is copied (target >= 0.95x:
+  adaptive drafting must keep verify passes that keep one token from slowing it). The 270M base
+  model still repeats itself now and then when greedy, which prompt lookup also drafts.
 
 Decode tok/s is the tokens after the first over the time from the first to the last (prefill
 excluded), per prompt; a workload's figure is the median over ``--runs`` interleaved runs (off, on,
@@ -46,39 +48,36 @@ PASSAGE = (
     "museum of shipwrecks. Visitors can climb the 132 steps to the lantern room on weekends between "
     "April and October; the view reaches the mainland on clear days."
 )
-MISSPELT = PASSAGE.replace("granite", "granitte").replace("electricity", "electrisity").replace(
-    "museum", "musuem"
+MISSPELT = (
+    PASSAGE.replace("granite", "granitte").replace("electricity", "electrisity").replace("museum", "musuem")
 )
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item["price"] * item["quantity"]
     tax = subtotal * tax_rate
     return subtotal + tax
-'''
+"""
+# The 270M GGUF is a base model: the prompts are text to continue. ``copy`` continuations quote the
+# prompt (checked by eye: the table's first column prints each reply's start); ``free`` ones do not.
 COPY = [
-    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
-    f"Correct the spelling mistakes in this text and write it out again in full:\n\n{MISSPELT}",
-    f"Rename the function total_price to order_total in this code and write out the whole code:\n\n{CODE}",
-    f"Copy out every sentence of this text that mentions the lighthouse or its lamp:\n\n{PASSAGE}",
+    f"Text with spelling mistakes:\n{MISSPELT}\n\nThe same text with the spelling corrected:\n",
+    f"Original code:\n```python\n{CODE}```\n\nThe same code with total_price renamed to order_total:\n```python\n",
+    f"{PASSAGE}\n\nQuestion: When was the lighthouse built, and what was its lamp first fuelled by?\n"
+    "Answer (quoting the text):",
+    f"Text:\n{PASSAGE}\n\nThe same text, word for word:\n",
 ]
 FREE = [
-    "Write a short story about a girl who finds a map in her grandmother's attic.",
-    "Describe a busy market in a coastal town early in the morning.",
-    "Write a poem about the first snow of winter.",
-    "Explain why the sky is blue to a ten-year-old.",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The history of the bicycle begins in",
+    "Scientists have long wondered why",
+    "The best thing about living in a big city is",
 ]
-
-
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(f"<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n")
 
 
 def run_one(model, prompt: list[int], new_tokens: int, speculative) -> tuple[int, float, list[int], tuple]:
     """Decoded tokens after the first, their seconds, the tokens, (drafted, accepted)."""
-    engine = Engine(
-        model, max_batch_size=1, max_len=len(prompt) + new_tokens + 1, speculative=speculative
-    )
+    engine = Engine(model, max_batch_size=1, max_len=len(prompt) + new_tokens + 1, speculative=speculative)
     engine.add_request(0, prompt, sampling=GREEDY, max_new_tokens=new_tokens)
     stamps, tokens = [], []
     while engine.has_unfinished_requests():
@@ -115,23 +114,32 @@ def main() -> None:
     tokenizer = torchgemma.load_tokenizer("gemma3-270m")
     spec = {"method": "ngram", "num_tokens": args.num_tokens}
     workloads = {
-        "copy": [chat_prompt(tokenizer, t) for t in COPY],
-        "free": [chat_prompt(tokenizer, t) for t in FREE],
+        "copy": [tokenizer.encode(t) for t in COPY],
+        "free": [tokenizer.encode(t) for t in FREE],
     }
-    print(f"greedy, up to {args.new_tokens} new tokens per prompt, {args.runs} interleaved runs, K={args.num_tokens}")
-    print("| workload | threads | off tok/s | ngram tok/s | speed-up | acceptance | drafted/step-token | load avg |")
+    print(
+        f"greedy, up to {args.new_tokens} new tokens per prompt, {args.runs} interleaved runs, K={args.num_tokens}"
+    )
+    print(
+        "| workload | threads | off tok/s | ngram tok/s | speed-up | acceptance | drafted/step-token | load avg |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         with torch.inference_mode():
             for name, prompts in workloads.items():
                 _, reference, _ = workload(model, prompts, args.new_tokens, None)  # warm-up, reference
+                if threads == args.threads[0]:
+                    for tokens in reference:
+                        print(f"  {name} reply: {tokenizer.decode(tokens)[:160]!r}", flush=True)
                 off, on = [], []
                 drafted = accepted = 0
                 for _ in range(args.runs):
                     rate, _, _ = workload(model, prompts, args.new_tokens, None, reference)
                     off.append(rate)
-                    rate, outputs, (drafted, accepted) = workload(model, prompts, args.new_tokens, spec, reference)
+                    rate, outputs, (drafted, accepted) = workload(
+                        model, prompts, args.new_tokens, spec, reference
+                    )
                     on.append(rate)
                 tokens = sum(len(t) - 1 for t in reference)
                 a, b = statistics.median(off), statistics.median(on)

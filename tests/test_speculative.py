@@ -336,3 +336,32 @@ def test_engine_checks_the_cache_rollback(gen_checkpoints):
         Engine(model, cache=cache, speculative={"method": "ngram", "num_tokens": 4})
     engine = Engine(model, max_batch_size=1, max_len=32, speculative={"method": "ngram", "num_tokens": 5})
     assert engine.cache.max_rollback >= 5
+
+
+@pytest.mark.parametrize("subcommand", ["generate", "chat", "serve"])
+def test_cli_flags_reach_the_llm(subcommand, monkeypatch, capsys):
+    """--speculative and --num-speculative-tokens become LLM(speculative=...); bad values fail with
+    argparse's message before anything loads."""
+    from torchgemma.cli import main
+
+    seen = []
+
+    def fake_llm(*args, **kwargs):
+        seen.append(kwargs.get("speculative", "missing"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("torchgemma.llm.LLM", fake_llm)
+    tail = ["prompt"] if subcommand == "generate" else []
+    flag_sets = (
+        ["--speculative", "ngram", "--num-speculative-tokens", "3"],
+        ["--speculative", "mtp:org/d"],
+        [],
+    )
+    for flags in flag_sets:
+        main([subcommand, "--model", "never-loaded", *flags, *tail])
+    assert seen == [{"method": "ngram", "num_tokens": 3}, {"method": "mtp", "model": "org/d"}, None]
+    capsys.readouterr()
+    for flags in (["--speculative", "beam"], ["--speculative", "mtp"], ["--num-speculative-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            main([subcommand, "--model", "never-loaded", *flags, *tail])
+        assert "speculative" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 from .config import GenerationConfig
 from .constraints import Grammar
-from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, NonFiniteLogits, StepOutput, TokenLogprobs
+from .engine import MEDIA_INPUTS, EmbeddedPrompt, Engine, StepOutput, TokenLogprobs
 from .generate import GenerationStats, decode_step, generate, prefill, stream
+from .requests import NonFiniteLogits
 from .sampling import (
     SamplingParams,
     apply_logit_bias,

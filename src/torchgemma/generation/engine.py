@@ -49,7 +49,7 @@ from .constraints import Grammar, constrained_token, fill_masks
 from .fork import admit_forks, enqueue, leave_fork, spread_forks
 from .invariance import RowProbe
 from .prefix_cache import PrefixCache, load_chain, media_start
-from .requests import EmbeddedPrompt, NonFiniteLogits, Request, StepOutput, TokenLogprobs, token_logprobs
+from .requests import EmbeddedPrompt, Request, StepOutput, TokenLogprobs, token_logprobs
 from .sampling import SamplingParams, next_token
 from .speculative import SpeculativeStats, speculative_config
 from .verify import speculative_decode
@@ -77,6 +77,8 @@ class Engine:
     ``batch_invariant`` (None: on in bf16/fp16 on the CPU): see the module docstring.
     ``prefix_cache``: a ``PrefixCache`` to reuse prompts' beginnings from and store them in (one
     model's, shared by engines of that model; None: none); results are those without it.
+    ``speculative``: speculative decoding (``speculative.py``, ``verify.py``): None, ``"ngram"`` or
+    ``{"method": ..., "num_tokens": k, "model": ...}``; ``speculative_stats`` counts its drafts.
     """
 
     def __init__(
@@ -354,19 +356,8 @@ class Engine:
     def _choose(self, request: Request, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
         """The request's next token from its logits (1, V), and its log-probabilities if asked."""
         logprobs = None
-        # Its lowest and highest logits are finite iff all are (NaN propagates through both):
-        # one pass, ~20x cheaper than isfinite().all() over 262,144 logits.
-        if not torch.isfinite(torch.stack(torch.aminmax(logits))).all():
-            raise NonFiniteLogits(
-                f"the model produced non-finite logits (NaN or inf) for request {request.request_id!r} "
-                f"at its token {len(request.output)}: its weights or activations are broken "
-                "(a checkpoint with NaN or inf values, or a dtype that overflows)"
-            )
-        history = generated = None
-        if request.params.repetition_penalty not in (None, 1.0):
-            history = torch.tensor([request.prompt + request.output], device=logits.device)
-        if request.params.penalizes_output:
-            generated = torch.tensor([request.output], dtype=torch.long, device=logits.device)
+        request.check_finite(logits)
+        history, generated = request.penalty_inputs(logits.device)
         if request.constraint is not None:
             token, ended = constrained_token(
                 request.constraint, logits, request.params, request.generator, history, generated

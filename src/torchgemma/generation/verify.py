@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .invariance import RowProbe
-from .requests import NonFiniteLogits, Request, StepOutput, token_logprobs
+from .requests import Request, StepOutput, token_logprobs
 from .sampling import check_scores, process_logits
 from .speculative import Adaptive, DraftRequest
 
@@ -38,7 +38,7 @@ def speculative_decode(engine, requests: list[Request]) -> list[StepOutput]:
         groups = [([r], [d]) for r, d in zip(requests, drafts)]  # each as it would run alone
     else:
         groups = [(requests, drafts)]
-    engine.speculative_stats.verify_passes += len(groups)
+    engine.speculative_stats.verify_passes += sum(1 for _, proposed in groups if any(proposed))
     outputs: list[StepOutput] = []
     for members, proposed in groups:
         try:
@@ -160,18 +160,10 @@ def _draw(request: Request, logits: torch.Tensor, draft: int) -> tuple[int, bool
     """The rejection rule for a sampled request's row (1, V) and its draft token (a point mass q):
     the draft with probability p(draft), else a draw from p without it. Returns the token, whether
     it is the draft, and its log-probabilities if the request asks for them."""
-    if not torch.isfinite(torch.stack(torch.aminmax(logits))).all():
-        raise NonFiniteLogits(
-            f"the model produced non-finite logits (NaN or inf) for request {request.request_id!r} "
-            f"at its token {len(request.output)}"
-        )
-    params, device = request.params, logits.device
-    history = generated = None
-    if params.repetition_penalty not in (None, 1.0):
-        history = torch.tensor([request.prompt + request.output], device=device)
-    if params.penalizes_output:
-        generated = torch.tensor([request.output], dtype=torch.long, device=device)
-    scores = process_logits(logits, params, history, generated=generated)
+    request.check_finite(logits)
+    device = logits.device
+    history, generated = request.penalty_inputs(device)
+    scores = process_logits(logits, request.params, history, generated=generated)
     check_scores(scores)
     probs = scores.softmax(dim=-1)[0]
     generator = request.generator
