@@ -8,6 +8,8 @@ The 270M in its default mode (the GGUF file's own blocks), greedy, one request a
 * ``copy``: prompts whose continuations quote them (a text with its spelling corrected, code with
   a function renamed, an answer quoting a passage, a passage written out again): the workload
   prompt lookup is for (target >= 1.5x);
+* ``free, drafts always wrong``: the same with prompt lookup's drafts made wrong (every token + 1):
+  what adaptive drafting costs when no draft is ever accepted;
 * ``free``: open-ended continuations (a story, an essay), where little is copied (target >= 0.95x:
   adaptive drafting must keep verify passes that keep one token from slowing it). The 270M base
   model still repeats itself now and then when greedy, which prompt lookup also drafts.
@@ -38,6 +40,7 @@ from common import machine  # noqa: E402
 
 import torchgemma  # noqa: E402
 from torchgemma import Engine, SamplingParams  # noqa: E402
+from torchgemma.generation.speculative import NgramDrafter  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -73,6 +76,19 @@ FREE = [
     "Scientists have long wondered why",
     "The best thing about living in a big city is",
 ]
+
+
+class WrongDrafts:
+    """Prompt lookup's drafts with every token replaced by the next id: never accepted. What
+    adaptive drafting costs when nothing a drafter proposes is right (the worst case)."""
+
+    needs_hidden = False
+
+    def __init__(self):
+        self.lookup = NgramDrafter()
+
+    def propose(self, requests, cache):
+        return [[t + 1 for t in d] for d in self.lookup.propose(requests, cache)]
 
 
 def run_one(model, prompt: list[int], new_tokens: int, speculative) -> tuple[int, float, list[int], tuple]:
@@ -113,9 +129,14 @@ def main() -> None:
     model = torchgemma.load("gemma3-270m", progress=False)
     tokenizer = torchgemma.load_tokenizer("gemma3-270m")
     spec = {"method": "ngram", "num_tokens": args.num_tokens}
+    free = [tokenizer.encode(t) for t in FREE]
     workloads = {
-        "copy": [tokenizer.encode(t) for t in COPY],
-        "free": [tokenizer.encode(t) for t in FREE],
+        "copy": ([tokenizer.encode(t) for t in COPY], spec),
+        "free": (free, spec),
+        "free, drafts always wrong": (
+            free,
+            {"method": "mtp", "model": WrongDrafts(), "num_tokens": args.num_tokens},
+        ),
     }
     print(
         f"greedy, up to {args.new_tokens} new tokens per prompt, {args.runs} interleaved runs, K={args.num_tokens}"
@@ -127,9 +148,9 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            for name, prompts in workloads.items():
+            for name, (prompts, speculative) in workloads.items():
                 _, reference, _ = workload(model, prompts, args.new_tokens, None)  # warm-up, reference
-                if threads == args.threads[0]:
+                if threads == args.threads[0] and name != "free, drafts always wrong":
                     for tokens in reference:
                         print(f"  {name} reply: {tokenizer.decode(tokens)[:160]!r}", flush=True)
                 off, on = [], []
@@ -137,8 +158,8 @@ def main() -> None:
                 for _ in range(args.runs):
                     rate, _, _ = workload(model, prompts, args.new_tokens, None, reference)
                     off.append(rate)
-                    rate, outputs, (drafted, accepted) = workload(
-                        model, prompts, args.new_tokens, spec, reference
+                    rate, _, (drafted, accepted) = workload(
+                        model, prompts, args.new_tokens, speculative, reference
                     )
                     on.append(rate)
                 tokens = sum(len(t) - 1 for t in reference)

@@ -47,8 +47,9 @@ class Recording(Engine):
 
 
 class Oracle:
-    """Proposes the reference continuation of the request's tokens, every third proposal's last
-    token wrong (so some drafts are rejected)."""
+    """Proposes the reference continuation of the request's tokens, 1 to ``num_tokens`` of them by
+    turns (ragged drafts in one pass), every third proposal's last token wrong (so some are
+    rejected)."""
 
     needs_hidden = False
 
@@ -61,8 +62,10 @@ class Oracle:
             tokens = list(request.tokens)
             assert cache.lengths[request.slot] == len(tokens) - 1  # the slot holds tokens[:-1]
             reference = next(r for r in self.references if r[: len(tokens)] == tokens)
-            draft = reference[len(tokens) : len(tokens) + request.num_tokens]
             self.calls += 1
+            # Ragged: 1 to num_tokens drafts, by turns.
+            length = request.num_tokens - self.calls % request.num_tokens
+            draft = reference[len(tokens) : len(tokens) + length]
             if self.calls % 3 == 0 and draft:
                 draft[-1] = (draft[-1] + 1) % self.vocab
             out.append(draft)
