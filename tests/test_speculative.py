@@ -354,6 +354,7 @@ def test_cli_flags_reach_the_llm(subcommand, monkeypatch, capsys):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("torchgemma.llm.LLM", fake_llm)
+    monkeypatch.setattr("torchgemma.cli.chat.check_chat_template", lambda args: None)  # reads the source
     tail = ["prompt"] if subcommand == "generate" else []
     flag_sets = (
         ["--speculative", "ngram", "--num-speculative-tokens", "3"],

@@ -62,7 +62,6 @@ not the same samples). Constrained requests (``constraint=``) do not speculate.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -283,17 +282,10 @@ def speculative_config(speculative: Any, target=None) -> SpeculativeConfig | Non
 
 
 def load_drafter(source: str | Path, target) -> Drafter:
-    """The Gemma 4 assistant (MTP) drafter of ``source`` (folder or hub id) for ``target``."""
-    try:
-        # The MTP drafter's own module (issue 26), built beside this one; imported by name since a
-        # build may not have it yet.
-        load = importlib.import_module("torchgemma.generation.mtp").load_drafter
-    except ImportError:
-        raise RuntimeError(
-            f"cannot load the MTP drafter {str(source)!r}: the Gemma 4 assistant loader "
-            "(torchgemma.generation.mtp) is not in this build yet (it is in progress); pass a Drafter "
-            "object as 'model', or use method 'ngram'"
-        ) from None
+    """The Gemma 4 assistant (MTP) drafter of ``source`` (folder, hub id or GGUF file) for
+    ``target`` (``generation.mtp.load_drafter``: the pair is checked before any weight is read)."""
+    from .mtp import load_drafter as load
+
     return load(source, target)
 
 
