@@ -142,7 +142,7 @@ def main() -> None:
         f"greedy, up to {args.new_tokens} new tokens per prompt, {args.runs} interleaved runs, K={args.num_tokens}"
     )
     print(
-        "| workload | threads | off tok/s | ngram tok/s | speed-up | acceptance | drafted/step-token | load avg |"
+        "| workload | threads | off tok/s | ngram tok/s | speed-up | acceptance | drafts per token | load avg |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:

@@ -369,3 +369,43 @@ def test_cli_flags_reach_the_llm(subcommand, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             main([subcommand, "--model", "never-loaded", *flags, *tail])
         assert "speculative" in capsys.readouterr().err
+
+
+class EvenTokens:
+    """A ``TokenConstraint`` allowing even token ids only."""
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        return torch.arange(vocab_size) % 2 == 0
+
+    def advance(self, token_id: int) -> None:
+        assert token_id % 2 == 0
+
+
+def test_a_constrained_request_does_not_draft(gen_checkpoints):
+    """A constrained request beside one that drafts: it is never drafted for, and both get the
+    tokens they get without speculation."""
+    model = torchgemma.load(gen_checkpoints["31b"], dtype=torch.float32, quantize="int8")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    outs = []
+    for spec in (None, {"method": "ngram", "num_tokens": 3}):
+        engine = Engine(model, max_batch_size=2, max_len=64, speculative=spec)
+        engine.add_request("free", prompt, max_new_tokens=24, **GREEDY)
+        engine.add_request("even", prompt, max_new_tokens=24, constraint=EvenTokens(), **GREEDY)
+        asked = []
+        if spec is not None:
+            propose = engine.speculation.drafter.propose
+
+            def spy(requests, cache, propose=propose):
+                asked.extend(r.slot for r in requests)
+                return propose(requests, cache)
+
+            engine.speculation.drafter.propose = spy
+        out: dict = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).append(o.token_id)
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert all(t % 2 == 0 for t in outs[1]["even"])
+    assert asked and set(asked) == {0}  # slot 0: "free"; "even" (slot 1) never asked for drafts
+    assert engine.speculative_stats.drafted_tokens > 0
