@@ -395,7 +395,7 @@ def test_a_constrained_request_does_not_draft(gen_checkpoints):
         if spec is not None:
             propose = engine.speculation.drafter.propose
 
-            def spy(requests, cache, propose=propose):
+            def spy(requests, cache, propose=propose, asked=asked):
                 asked.extend(r.slot for r in requests)
                 return propose(requests, cache)
 
