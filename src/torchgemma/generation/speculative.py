@@ -32,8 +32,9 @@ and vLLM's ngram proposer; a continuation that reaches the end of the sequence r
 (so a loop continues). Each request's index maps n-grams to their latest end and is updated with
 the new tokens only: a step costs O(new tokens), not O(length).
 
-**Adaptive drafting** (``Adaptive``): a request whose drafts are rejected drafts fewer tokens, and
-below ``STOP_RATE`` stops drafting for a while (1, 2, 4, ... up to ``MAX_PAUSE`` steps), so that
+**Adaptive drafting** (``Adaptive``): a request whose drafts are rejected drafts fewer tokens (as
+many as would all be accepted with probability >= 1/2 at its recent rate), and below ``STOP_RATE``
+stops drafting for a while (1, 2, 4, ... up to ``MAX_PAUSE`` steps), so that
 text with nothing to copy is not slowed by verify passes that keep one token.
 
 **Exactness.** Greedy output equals the output without speculation token for token: each verify
@@ -79,6 +80,7 @@ MAX_NGRAM, MIN_NGRAM = 3, 1
 # this weight on the newest pass) below which a request stops drafting for a while.
 RATE_WEIGHT = 0.5
 STOP_RATE = 0.3
+KEEP_CHANCE = 0.5
 MAX_PAUSE = 64
 METHODS = ("ngram", "mtp")
 
@@ -172,9 +174,11 @@ class NgramDrafter:
 
 @dataclass
 class Adaptive:
-    """One request's drafting budget: ``num_tokens`` scaled by its recent acceptance rate; below
-    ``STOP_RATE`` no drafts for ``pause`` steps, the pause doubling each time (up to ``MAX_PAUSE``)
-    until a pass accepts again."""
+    """One request's drafting budget from its recent acceptance rate ``a`` (accepted / drafted, a
+    cautious estimate of each draft's chance): the most drafts ``j`` (up to ``num_tokens``) whose
+    chance of all being accepted, ``a ** j``, is still at least ``KEEP_CHANCE`` (a draft costs a
+    verify row whether or not it is kept); below ``STOP_RATE`` no drafts for ``pause`` steps, the
+    pause doubling each time (up to ``MAX_PAUSE``) until a pass accepts again."""
 
     rate: float = 1.0
     wait: int = 0
@@ -185,7 +189,9 @@ class Adaptive:
         if self.wait > 0:
             self.wait -= 1
             return 0
-        return max(1, min(most, math.ceil(most * self.rate)))
+        if self.rate >= 1.0:
+            return most
+        return max(1, min(most, math.floor(math.log(KEEP_CHANCE) / math.log(self.rate))))
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
