@@ -66,8 +66,17 @@ class Terminal:
     def __init__(self, *argv: str) -> None:
         pid, fd = pty.fork()
         if pid == 0:  # the child: become the command
+            # As a shell starts a foreground job: ^C at its default, whatever the test process inherited
+            # (an ignored SIGINT survives exec, and Python then installs no KeyboardInterrupt handler).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(sys.executable, [sys.executable, "-m", "torchgemma.cli", *argv], ENV)
         self.pid, self.fd, self.output = pid, fd, b""
+
+    def signals(self) -> str:
+        """The command's ignored and caught signal masks (/proc), for a failure's message."""
+        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/status") as status:
+            return " ".join(line.strip() for line in status if line.startswith(("SigIgn", "SigCgt")))
+        return "unknown"
 
     def read_until(self, pattern: bytes, start: int = 0, timeout: float = 90) -> int:
         """Read until ``pattern`` appears in the output after ``start``; the index after it."""
@@ -600,7 +609,10 @@ def test_chat_ctrl_c(endless_checkpoint):
     at = terminal.read_until(b"Hello there", at)
     terminal.read_until(b"", at + 40)  # 40 more bytes: the reply is streaming
     terminal.type(b"\x03")
-    at = terminal.read_until(b"[reply stopped]", at)
+    try:
+        at = terminal.read_until(b"[reply stopped]", at)
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}\nthe command's signal masks: {terminal.signals()}") from None
     at = terminal.read_until(b"> ", at)
     terminal.type(b"/help\r")  # the session goes on
     at = terminal.read_until(b"/clear", at)
