@@ -469,9 +469,19 @@ LAYOUTS: dict[str, MultimodalLayout] = {
 # (it means to do so for layer scales too, but those are all in blocks, which it names and writes
 # before that step). Its block table has no dw_end (the published blocks have none). Checked against
 # that converter's output for a tiny checkpoint (llama-cpp-python 0.3.36's, by hand: CI has no
-# llama.cpp): every tensor maps back, values equal. Not in TOWERS yet: the converter writes the
-# audio conformer (gemma3na) into the same file, and the block list (strides, kernel sizes, heads),
-# which llama.cpp infers from the tensors (clip.cpp, mobilenetv5.cpp), has no config function here.
+# llama.cpp): every tensor maps back, values equal. Not in TOWERS yet, and not testable against
+# llama.cpp's own conversion, because (checked 2026-11-28 on llama.cpp 0c1e570):
+# * that converter stops on any Gemma 3n checkpoint with "Can not map tensor
+#   'model.audio_tower.subsample_conv_projection.conv_0.norm.weight'": the audio subsampler's two
+#   group-norm scales (conv_0, conv_1; transformers has named them so since 4.53) are the only
+#   audio tensors gguf.tensor_mapping has no name for, and the converter writes vision and audio
+#   into one file, so no Gemma 3n mmproj comes out at all;
+# * llama.cpp runs no Gemma 3n audio (clip.cpp skips a gemma3nv file's audio tower), so gemma3na
+#   has no reader whose layout a table here could follow (Gemma 3n's conformer has no batch norm:
+#   the converter's folding is for lfm2's names and never applies);
+# * a copy of a checkpoint without its audio tensors converts, vision only, when its blocks have
+#   no dw_end; the block list (strides, kernel sizes, heads), which llama.cpp infers from the
+#   tensors (clip.cpp, mobilenetv5.cpp), still has no config function here.
 
 _TOWER = "model.vision_tower.timm_model."
 # The converter's block_tensor_mapping: timm's suffix kept as it is.
