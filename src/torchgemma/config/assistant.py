@@ -18,8 +18,8 @@ from typing import Any
 
 from .gemma4 import FAMILY as GEMMA4
 from .gemma4_unified import FAMILY as GEMMA4_UNIFIED
-from .hf import TEXT_DEFAULTS, text_config_from_hf
-from .limits import MAX_CONFIG_BYTES, positive_int
+from .hf import TEXT_DEFAULTS, config_from_file, text_config_from_hf
+from .limits import positive_int
 from .schema import ConfigError, TextConfig
 
 # model_type -> the family its decoder's text config belongs to.
@@ -58,21 +58,7 @@ class AssistantConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> AssistantConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path} is larger than any config.json (limit {MAX_CONFIG_BYTES:,} bytes)")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from err
-        try:
-            return cls.from_hf(data)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from err
+        return config_from_file(path, cls.from_hf)
 
     @classmethod
     def from_hf(cls, data: dict) -> AssistantConfig:

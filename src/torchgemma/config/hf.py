@@ -13,8 +13,10 @@ Two field styles are accepted for the full-attention geometry:
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .embedding_gemma2 import FAMILY as EMBEDDING_GEMMA2
@@ -22,7 +24,7 @@ from .gemma3 import FAMILY as GEMMA3
 from .gemma3n import FAMILY as GEMMA3N
 from .gemma4 import FAMILY as GEMMA4
 from .gemma4_unified import FAMILY as GEMMA4_UNIFIED
-from .limits import check_text_numbers, positive_int, token_id
+from .limits import MAX_CONFIG_BYTES, check_text_numbers, positive_int, token_id
 from .schema import FULL, SLIDING, ConfigError, Family, KVRole, LayerSpec, RopeSpec, TextConfig
 
 # By multimodal model_type; "{name}_text" is the family's text-only checkpoint.
@@ -475,3 +477,24 @@ def _kv_roles(layer_types: list[str], num_shared: int) -> tuple[list[KVRole], li
         roles[i] = "reuse"
         sources[i] = producer[layer_types[i]]
     return roles, sources
+
+
+def config_from_file(path: str | Path, build: Callable[[dict], Any]) -> Any:
+    """``build`` of the ``config.json`` at ``path`` (the file, or its folder): a missing file, one
+    larger than any config, invalid JSON and the builder's ConfigError each named with the path."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is {size:,} bytes, more than any config.json (limit {MAX_CONFIG_BYTES:,})")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from err
+    try:
+        return build(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from err

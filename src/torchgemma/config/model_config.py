@@ -8,16 +8,13 @@ It sits apart from the other records (config/schema.py) because it is the entry 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .gemma3n_vision import Gemma3nVisionConfig
-from .hf import fields_from_hf
-from .limits import MAX_CONFIG_BYTES
+from .hf import config_from_file, fields_from_hf
 from .schema import (
     AudioConfig,
-    ConfigError,
     Family,
     Gemma3nAudioConfig,
     SiglipVisionConfig,
@@ -61,24 +58,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"{path} is {size:,} bytes, more than any config.json (limit {MAX_CONFIG_BYTES:,})"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from err
-        try:
-            return cls.from_hf(data)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from err
+        return config_from_file(path, cls.from_hf)
 
     @classmethod
     def from_hf(cls, data: dict) -> ModelConfig:
