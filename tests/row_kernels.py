@@ -85,6 +85,25 @@ def _grouped_mm_dispatch(args, kwargs, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class RowByRowProducts(TorchFunctionMode):
+    """The other CPU class emulated: every reduced-precision product computed one row at a time, so
+    a row's bits do not depend on the rows beside it, as on CPUs without AVX-512 (torch's own bf16
+    kernel at every size). oneDNN stays as the machine has it: each row's product is the one a
+    1-row call makes here."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in EmulatedAVX512Dispatch.PRODUCTS and _size(func, args) is not None:
+            a, rest = args[0], args[1:]
+            if func is F.linear:
+                rows = a.reshape(-1, a.shape[-1])
+                out = torch.cat([func(rows[r : r + 1], *rest, **kwargs) for r in range(rows.shape[0])])
+                return out.reshape(*a.shape[:-1], out.shape[-1])
+            if a.shape[-2] > 1:
+                return torch.cat([func(row, *rest, **kwargs) for row in a.split(1, dim=-2)], dim=-2)
+        return func(*args, **kwargs)
+
+
 EVERYWHERE = os.environ.get("TORCHGEMMA_TEST_AVX512_DISPATCH") == "1"
 
 

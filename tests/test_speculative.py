@@ -13,6 +13,7 @@ import torch
 import torchgemma
 import torchgemma.generation.invariance as invariance
 from checkpoints import STYLES
+from row_kernels import RowByRowProducts
 from torchgemma import Engine, SamplingParams
 from torchgemma.generation import generate, speculative
 from torchgemma.generation.prefix_cache import PrefixCache
@@ -111,10 +112,11 @@ def with_and_without(model, drafter_for, engine=Recording, **engine_args):
 
 @pytest.fixture
 def row_invariant_bf16(monkeypatch):
-    """bf16 products on torch's own kernel at every row count (oneDNN off): the rows of a call get
-    the bits they get alone, as on CPUs without AVX-512; the row probe is told so."""
+    """bf16 products whose rows get the bits they get alone, as on CPUs without AVX-512: emulated
+    by computing every product a row at a time (``row_kernels.RowByRowProducts``; torch's backends
+    as they are); the row probe is told this machine has no oneDNN switch."""
     monkeypatch.setattr(invariance, "onednn_takes_reduced_precision", lambda: False)
-    with torch.backends.mkldnn.flags(enabled=False):
+    with RowByRowProducts():
         yield
 
 
