@@ -29,6 +29,7 @@ from .metadata import (
     _Meta,
     _partial_rotary_factor,
     _swa_layers,
+    gemma4_rope,
 )
 from .names import _GEMMA4_LAYER_NAMES
 from .reader import GGUFError, _GGUFFile, _TensorInfo
@@ -122,17 +123,7 @@ def _config(file: _GGUFFile) -> dict[str, Any]:
         max_position_embeddings=meta.get("context_length", 131072),
         sliding_window=meta.need("attention.sliding_window"),
         layer_types=_layer_types(swa),
-        rope_parameters={
-            "sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": meta.get("rope.freq_base_swa", 10000.0),
-            },
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": _partial_rotary_factor(file, global_head_dim),
-                "rope_theta": meta.get("rope.freq_base", 1000000.0),
-            },
-        },
+        rope_parameters=gemma4_rope(meta, _partial_rotary_factor(file, global_head_dim)),
         final_logit_softcapping=meta.get("final_logit_softcapping"),
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,

@@ -211,17 +211,7 @@ def _gemma4_config(file: _GGUFFile) -> dict[str, Any]:
         max_position_embeddings=meta.get("context_length", 131072),
         sliding_window=meta.need("attention.sliding_window"),
         layer_types=_layer_types(swa),
-        rope_parameters={
-            "sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": meta.get("rope.freq_base_swa", 10000.0),
-            },
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": partial,
-                "rope_theta": meta.get("rope.freq_base", 1000000.0),
-            },
-        },
+        rope_parameters=gemma4_rope(meta, partial),
         final_logit_softcapping=meta.get("final_logit_softcapping"),
         # Only the multimodal model reads this ("vision" on 26B/31B); GGUF metadata does not record it.
         use_bidirectional_attention=None,
@@ -278,6 +268,19 @@ def _partial_rotary_factor(file: _GGUFFile, global_head_dim: int) -> float:
         return 0.25
     factors = dequantize(file.raw(info), info.qtype, info.shape).numpy()
     return 2 * int(np.count_nonzero(factors < 1e20)) / global_head_dim
+
+
+def gemma4_rope(meta, partial_rotary_factor: float) -> dict:
+    """Gemma 4's rope_parameters as transformers' config has them, from llama.cpp's keys: default
+    RoPE on sliding layers, proportional RoPE on a fraction of the full layers' dimensions."""
+    return {
+        "sliding_attention": {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", 10000.0)},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": partial_rotary_factor,
+            "rope_theta": meta.get("rope.freq_base", 1000000.0),
+        },
+    }
 
 
 def _gemma3n_config(file: _GGUFFile) -> dict[str, Any]:
