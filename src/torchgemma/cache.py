@@ -38,7 +38,7 @@ compiled decode over every slot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,6 +75,19 @@ class CacheStep:
     # Each query attends as a one-token call at its position would (a speculative verify pass:
     # ``model.attention.attend_apart``), rather than as one causal block.
     apart: bool = False
+    # The sliding layers' (slots, first columns) of a decode step read in place, by ring size: made
+    # once per step for all of them (ring_window).
+    _ring_windows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def ring_window(self, ring: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's slot and the ring column of its first key (``RingKeys``), for rings of ``ring``
+        columns: its ``past`` positions then its new one."""
+        if ring not in self._ring_windows:
+            past = self.past.shape[1]
+            slots = torch.tensor(self.slots, device=device)
+            offsets = torch.tensor([(start - past) % ring for start in self.starts], device=device)
+            self._ring_windows[ring] = (slots, offsets)
+        return self._ring_windows[ring]
 
     @property
     def common_start(self) -> int | None:
@@ -185,14 +198,10 @@ class SlidingLayerCache:
         ``in_place``: a decode step's keys and values as ``RingKeys`` where the ring can hold them
         all (the new ones written first)."""
         if in_place and self._in_place(key, step):
-            past = step.past.shape[1]
             self._store(key, value, step)
-            device = self.keys.device
-            offsets = torch.tensor([(start - past) % self.ring for start in step.starts], device=device)
-            slots = torch.tensor(step.slots, device=device)
-            return RingKeys(self.keys, slots, offsets, past + 1), RingKeys(
-                self.values, slots, offsets, past + 1
-            )
+            slots, offsets = step.ring_window(self.ring, self.keys.device)
+            length = step.past.shape[1] + 1
+            return RingKeys(self.keys, slots, offsets, length), RingKeys(self.values, slots, offsets, length)
         if step.row_slice is not None and step.starts is not None and len(set(step.starts)) == 1:
             # Every row's past starts at the same ring column: the ring read as (at most) two
             # slices, in position order, copied with this call's keys in one cat (no gather).
