@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from contextlib import suppress
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .common import (
@@ -210,19 +213,25 @@ class Chat:
         chunks = self.llm.stream_chat(
             self.messages(), **self.rendering, max_new_tokens=budget, stats=stats, sampling=self.sampling
         )
-        answer, in_thought = [], False
+        answer, in_thought, stop, stopped = [], False, threading.Event(), False
         try:
-            for chunk in chunks:
-                # Thinking goes to stderr so that stdout carries the answers alone.
-                if chunk.thinking and not in_thought:
-                    print("[thinking] ", end="", file=sys.stderr)
-                elif in_thought and not chunk.thinking:
-                    print(file=sys.stderr)
-                in_thought = chunk.thinking
-                print(chunk.text, end="", file=sys.stderr if chunk.thinking else sys.stdout, flush=True)
-                if not chunk.thinking:
-                    answer.append(chunk.text)
-        except KeyboardInterrupt:  # Ctrl-C stops the reply; what came so far stays in the conversation
+            with ctrl_c_sets(stop):
+                for chunk in chunks:
+                    if stop.is_set():
+                        stopped = True
+                        break
+                    # Thinking goes to stderr so that stdout carries the answers alone.
+                    if chunk.thinking and not in_thought:
+                        print("[thinking] ", end="", file=sys.stderr)
+                    elif in_thought and not chunk.thinking:
+                        print(file=sys.stderr)
+                    in_thought = chunk.thinking
+                    print(chunk.text, end="", file=sys.stderr if chunk.thinking else sys.stdout, flush=True)
+                    if not chunk.thinking:
+                        answer.append(chunk.text)
+        except KeyboardInterrupt:  # a second Ctrl-C while the first waits for the next piece
+            stopped = True
+        if stopped:  # Ctrl-C stops the reply; what came so far stays in the conversation
             chunks.close()
             print("\n[reply stopped]", end="", file=sys.stderr, flush=True)
         if in_thought:
@@ -268,3 +277,25 @@ class Chat:
             print(f"torchgemma chat: error: {message}; it was not sent", file=sys.stderr)
             return None
         return min(self.reply_tokens, self.max_len - length)
+
+
+@contextmanager
+def ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
+    """While a reply streams, Ctrl-C sets ``stop`` and the reply ends before its next piece, between
+    engine steps; a second Ctrl-C raises KeyboardInterrupt at once. A KeyboardInterrupt raised
+    wherever the main thread happens to be could land inside an engine step (leaving the session's
+    engine half-updated for the next turn) or inside code that swallows it."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live there only
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
