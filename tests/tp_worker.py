@@ -2,7 +2,8 @@
 environment, or under torchrun itself): loads each checkpoint split over the ranks and runs the
 same calls as the test's single process; rank 0 writes what it got to a safetensors file.
 
-    python tests/tp_worker.py OUT.safetensors TASK [--expert-parallel] [--dtype fp32] NAME=FOLDER ...
+    python tests/tp_worker.py OUT.safetensors TASK [--expert-parallel | --expert-exchange all-to-all]
+        [--dtype fp32] NAME=FOLDER ...
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def main() -> None:
     parser.add_argument("task", choices=list(TASKS))
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument(
+        "--expert-exchange", default=None, help="all-reduce or all-to-all (implies --expert-parallel)"
+    )
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--quantize", default=None)
     args = parser.parse_args()
@@ -104,7 +108,7 @@ def main() -> None:
             folder,
             dtype=args.dtype,
             tensor_parallel_size=int(__import__("os").environ["WORLD_SIZE"]),
-            expert_parallel=args.expert_parallel,
+            expert_parallel=args.expert_exchange or args.expert_parallel,
             quantize=None if args.quantize == "none" else args.quantize,
         )
         for key, value in TASKS[args.task](model, seed=seed_of(name)).items():

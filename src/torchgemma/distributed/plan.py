@@ -9,7 +9,9 @@ Tensor parallelism over ``size`` ranks, Megatron's split of a transformer layer:
   read their source layer's shard, which holds the same heads (same layer type, same KV heads);
 * the dense MLP: gate/up rows (columns of the product) and down columns (rows of the product);
 * the experts (26B-A4B): either split as the MLP, each expert's ``moe_intermediate_size`` divided
-  (tensor parallel), or whole experts, ``E / size`` per rank (``expert_parallel``);
+  (tensor parallel), or whole experts, ``E / size`` per rank (``expert_parallel``), exchanged by
+  ``"all-reduce"`` (each rank computes its experts for every token, the sums reduced) or
+  ``"all-to-all"`` (each token's rows sent to its experts' ranks and back: ``routed.py``);
 * the token table, tied LM head and PLE table: split by vocabulary rows;
 * everything else (norms, router, PLE projections, layer scalars, the towers) is replicated.
 
@@ -23,6 +25,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from ..config import LayerSpec, ModelConfig, TextConfig
+
+# How expert-parallel ranks exchange tokens (see the module docstring); the first is the default.
+EXPERT_EXCHANGES = ("all-reduce", "all-to-all")
 
 
 class ParallelError(ValueError):
@@ -52,7 +57,7 @@ class ShardPlan:
     text: TextConfig
     size: int
     rank: int
-    expert_parallel: bool = False
+    expert_parallel: bool | str = False  # True: the default of EXPERT_EXCHANGES, or one by name
 
     def __post_init__(self) -> None:
         text = self.text
@@ -61,6 +66,10 @@ class ShardPlan:
         if text.has_altup or any(spec.activation_sparsity for spec in text.layers) or text.media_vocabularies:
             # AltUp mixes whole streams and the sparse gate's top-k needs every MLP feature's statistics.
             raise ParallelError("tensor parallelism does not split Gemma 3n (AltUp, sparse MLP gates)")
+        if isinstance(self.expert_parallel, str) and self.expert_parallel not in EXPERT_EXCHANGES:
+            raise ParallelError(
+                f"unknown expert exchange {self.expert_parallel!r}; use one of {', '.join(EXPERT_EXCHANGES)}"
+            )
         if self.expert_parallel and not text.enable_moe_block:
             raise ParallelError("expert_parallel needs a mixture of experts (26B-A4B); this model has none")
         # Every divisibility error raised now, before anything is built.
@@ -109,6 +118,13 @@ class ShardPlan:
             return _part(self.text.num_experts, self.size, self.rank, "num_experts")
         _part(self.text.moe_intermediate_size, self.size, self.rank, "moe_intermediate_size")
         return None
+
+    @property
+    def expert_exchange(self) -> str | None:
+        """Expert parallel: how the ranks exchange tokens (``EXPERT_EXCHANGES``); None otherwise."""
+        if not self.expert_parallel:
+            return None
+        return EXPERT_EXCHANGES[0] if self.expert_parallel is True else self.expert_parallel
 
     @property
     def expert_features(self) -> tuple[int, int] | None:
@@ -179,5 +195,5 @@ class ShardPlan:
         return None
 
 
-def shard_plan(config: ModelConfig, size: int, rank: int, expert_parallel: bool = False) -> ShardPlan:
+def shard_plan(config: ModelConfig, size: int, rank: int, expert_parallel: bool | str = False) -> ShardPlan:
     return ShardPlan(config.text, size, rank, expert_parallel)

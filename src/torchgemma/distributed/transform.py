@@ -36,6 +36,7 @@ from ..model import Gemma
 from ..model.layers import gelu_tanh
 from ..model.text import Experts, _embedding, expert_linear
 from .plan import ShardPlan
+from .routed import RoutedExperts
 
 
 def build_sharded(config, plan: ShardPlan, attention: str) -> Gemma:
@@ -61,8 +62,11 @@ def shard_model(model: Gemma, plan: ShardPlan) -> Gemma:
         if layer.spec.moe:
             # Whole experts [first, end) (expert parallel), or every expert's slice of features.
             first, end = plan.experts or (0, text.config.num_experts)
-            sliced = plan.experts is None
-            layer.experts = ExpertShard(text.config, first, end, layer.experts.implementation, sliced)
+            implementation = layer.experts.implementation
+            if plan.expert_exchange == "all-to-all":  # the tokens sent to their experts (routed.py)
+                layer.experts = RoutedExperts(text.config, first, end, implementation)
+            else:
+                layer.experts = ExpertShard(text.config, first, end, implementation, plan.experts is None)
     model.shard_plan = plan
     return model
 
