@@ -64,6 +64,28 @@ def engine_batch(model, seed: int) -> dict[str, torch.Tensor]:
     return {"engine": torch.tensor([out[b] + [-1] * (NEW_TOKENS - len(out[b])) for b in out])}
 
 
+def routed_experts(model, seed: int) -> dict[str, torch.Tensor]:
+    """The first MoE layer's experts called directly on routings chosen to stress token routing, in
+    both implementations: 5 tokens (shares of 2 and 3 at 2 ranks), 1 token (rank 0 owns none),
+    4 tokens routed only to the first half of the experts (at 2 ranks, rank 1 receives none)."""
+    text = model.language_model
+    layer = next(layer for layer in text.layers if layer.spec.moe)
+    config = text.config
+    e, k, dtype = config.num_experts, config.top_k_experts, text.embed_tokens.weight.dtype
+    out = {}
+    for implementation in ("grouped_mm", "eager"):
+        text.set_experts(implementation)
+        gen = torch.Generator().manual_seed(seed)
+        for name, n, pool in (("ragged", 5, e), ("one", 1, e), ("half", 4, e // 2)):
+            x = torch.randn(n, config.hidden_size, generator=gen).to(dtype)
+            experts = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(n)])
+            weights = torch.rand(n, k, generator=gen)
+            with torch.no_grad():
+                out[f"{implementation}.{name}"] = layer.experts(x, weights, experts)
+    text.set_experts("grouped_mm")
+    return out
+
+
 def seed_of(name: str) -> int:
     return zlib.crc32(name.encode()) % 1000
 
@@ -82,14 +104,14 @@ def memory(model, seed: int) -> dict[str, torch.Tensor]:
     return {"memory": torch.tensor([params // 1024, _status_kib("VmRSS"), _status_kib("VmHWM"), BEFORE_KIB])}
 
 
-TASKS = {"logits": logits_and_tokens, "engine": engine_batch, "memory": memory}
+TASKS = {"logits": logits_and_tokens, "engine": engine_batch, "memory": memory, "experts": routed_experts}
 BEFORE_KIB = 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("task", choices=list(TASKS))
+    parser.add_argument("task", help=f"one of {', '.join(TASKS)}, or several joined by commas")
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--expert-parallel", action="store_true")
     parser.add_argument(
@@ -111,8 +133,9 @@ def main() -> None:
             expert_parallel=args.expert_exchange or args.expert_parallel,
             quantize=None if args.quantize == "none" else args.quantize,
         )
-        for key, value in TASKS[args.task](model, seed=seed_of(name)).items():
-            results[f"{name}.{key}"] = value.contiguous()
+        for task in args.task.split(","):
+            for key, value in TASKS[task](model, seed=seed_of(name)).items():
+                results[f"{name}.{key}"] = value.contiguous()
     if not dist.is_initialized():  # one process (WORLD_SIZE=1): the comparison's own figures
         save_file(results, args.out)
         return
