@@ -226,6 +226,27 @@ def test_plan_refuses_what_it_cannot_split(text_checkpoints):
         ShardPlan(text, 2, 0, expert_parallel=True)
 
 
+def test_expert_exchange_by_name_flag_and_default(text_checkpoints):
+    from torchgemma.cli import build_parser
+
+    text = _config(text_checkpoints["26b"]).text
+    assert ShardPlan(text, 2, 0, expert_parallel=True).expert_exchange == "all-reduce"
+    assert ShardPlan(text, 2, 0, expert_parallel="all-to-all").expert_exchange == "all-to-all"
+    assert ShardPlan(text, 2, 0).expert_exchange is None
+    with pytest.raises(
+        ParallelError, match="unknown expert exchange 'scatter'; use one of all-reduce, all-to-all"
+    ):
+        ShardPlan(text, 2, 0, expert_parallel="scatter")
+    parser = build_parser()
+    for flags, parsed in (
+        ([], False),
+        (["--expert-parallel"], True),
+        (["--expert-exchange", "all-to-all"], "all-to-all"),
+        (["--expert-exchange", "all-to-all", "--expert-parallel"], "all-to-all"),  # the named one stays
+    ):
+        assert parser.parse_args(["serve", "--model", "m", *flags]).expert_parallel == parsed, flags
+
+
 def test_load_without_a_process_group_says_how_to_start_one(text_checkpoints, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ParallelError, match="torchrun --nproc-per-node 2"):

@@ -171,6 +171,17 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _ExpertParallel(argparse.Action):
+    """--expert-parallel: True, unless --expert-exchange already named the exchange."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not isinstance(getattr(namespace, self.dest, None), str):
+            setattr(namespace, self.dest, True)
+
+
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size",
@@ -181,8 +192,18 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--expert-parallel",
-        action="store_true",
+        action=_ExpertParallel,
+        default=False,
         help="a mixture of experts (26B-A4B): whole experts per process instead of a slice of each",
+    )
+    parser.add_argument(
+        "--expert-exchange",
+        dest="expert_parallel",
+        choices=["all-reduce", "all-to-all"],
+        default=False,
+        help="expert parallel, its tokens exchanged by all-reduce (the default of --expert-parallel: "
+        "each process computes its experts for every token) or all-to-all (each token sent to its "
+        "experts' processes and back: more bytes at 2-4 processes, experts bit for bit as one process)",
     )
 
 

@@ -88,7 +88,7 @@ def load(
     activations: str | None = "auto",
     mmproj: str | Path | None = None,
     tensor_parallel_size: int = 1,
-    expert_parallel: bool = False,
+    expert_parallel: bool | str = False,
 ) -> Gemma:
     """Load a Gemma 4 or Gemma 3 checkpoint: a folder, a hub repository id, a GGUF file or a named model.
 
@@ -128,7 +128,9 @@ def load(
     processes of a process group (``torchgemma.distributed``; set up from torchrun's environment when
     none exists), reading only its slices of the checkpoint; every process must call ``load`` alike
     and then run the same forward calls. ``expert_parallel`` (26B-A4B): whole experts per process
-    instead of a slice of every expert.
+    instead of a slice of every expert; True exchanges the tokens by ``"all-reduce"`` (each process
+    computes its experts for every token, the sums reduced), ``"all-to-all"`` sends each token to
+    its experts' processes and back (``torchgemma.distributed.routed``).
     """
     # The arguments are checked before any work (a hub id would be downloaded first).
     if per_layer_table not in ("auto", "host", "device"):
