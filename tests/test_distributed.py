@@ -133,11 +133,12 @@ def test_expert_all_to_all_matches_one_process_bf16_and_4_ranks(
     gen_checkpoints, tmp_path, one_thread, size, dtype
 ):
     """bf16 too: each token's K outputs are summed on one rank in the reference's order, so the
-    experts are one process's to the bit and the greedy tokens the same (measured at 2 ranks: bf16
-    logits equal to the bit, where all-reduce with the eager implementation moved them by 0.77)."""
+    experts are one process's to the bit and the greedy and engine tokens the same (measured at 2
+    ranks: bf16 logits equal to the bit, where all-reduce with the eager implementation moved them
+    by 0.77)."""
     if (size, dtype) == (2, "fp32"):
         pytest.skip("the default run's test_expert_all_to_all_matches_one_process")
-    all_to_all_against_one_process(tmp_path, gen_checkpoints["26b"], size, dtype, "logits,experts")
+    all_to_all_against_one_process(tmp_path, gen_checkpoints["26b"], size, dtype, "logits,engine,experts")
 
 
 @pytest.mark.slow

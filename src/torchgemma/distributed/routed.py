@@ -97,7 +97,7 @@ class RoutedExperts(Experts):
                 y = out.new_empty(rows.shape[0], out.shape[-1])
             y[picked] = out
         if y is None:  # no pair routed to this rank's experts
-            y = rows.new_empty(0, self.down_proj.shape[1])
+            y = rows.new_empty(0, rows.shape[1])  # the down product is as wide as its input row
         return y
 
     def combine(self, back, pairs, weights, experts, dtype) -> torch.Tensor:
