@@ -47,7 +47,8 @@ class RoutedExperts(Experts):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         n, k = experts.shape
         size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        bounds = [r * n // size for r in range(size + 1)]  # rank r's own tokens: [bounds[r], bounds[r+1])
+        # 1. rank r's own tokens: [bounds[r], bounds[r+1]); every rank knows every pair's expert
+        bounds = [r * n // size for r in range(size + 1)]
         flat = experts.reshape(-1)
         owner = torch.div(flat, self.end - self.first, rounding_mode="floor")
         home = torch.bucketize(
