@@ -1,8 +1,8 @@
 """Tensor parallelism with images, audio and constraints (gloo on the CPU): an E2B-like checkpoint
 with both towers, split over 2 (and, slow, 4) ranks, against one process. tests/tp_media_worker.py
 says what runs: ``LLM`` calls made alike on every rank, and an ``Engine`` batch led by rank 0 (the
-server's way) with media, a JSON schema, a regex, seeded sampling, log-probabilities and a
-constraint that allows nothing.
+server's way) with an image, a clip and a video, a JSON schema, a regex, seeded sampling,
+log-probabilities and a constraint that allows nothing.
 
 fp32: the row-parallel sums run in another order than one device's, so logits and
 log-probabilities are equal to one process within float32 rounding (measured 6e-6 and 7e-6 on

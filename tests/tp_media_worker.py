@@ -3,9 +3,10 @@ starts N of them with torchrun's environment; with WORLD_SIZE=1, or imported, on
 E2B-like checkpoint with image and audio towers, split over the ranks, runs
 
 * ``llm``: ``LLM`` calls made alike on every rank (as ``torchgemma generate`` under torchrun): the
-  logits of a prompt with an image and a clip, a greedy chat with them, a seeded sampled one, and
-  a chat held to a JSON schema;
-* ``engine``: one ``Engine`` batch led by rank 0 (as the server under torchrun): media, a JSON
+  logits of a prompt with an image and a clip, a greedy chat with them, a seeded sampled one, a
+  chat held to a JSON schema, and a greedy chat about a video;
+* ``engine``: one ``Engine`` batch led by rank 0 (as the server under torchrun): media (an image
+  and a clip; a video), a JSON
   schema and a regex (constraints rank 0 alone holds), seeded sampling, log-probabilities, and a
   constraint that allows nothing (its request fails on every rank, the others go on).
 
@@ -51,6 +52,15 @@ def media_messages() -> list[dict]:
     return [{"role": "user", "content": [*content, {"type": "text", "text": "What is this?"}]}]
 
 
+def video_messages() -> list[dict]:
+    """A clip of 4 frames (the LLM keeps 2)."""
+    rng = np.random.default_rng(8)
+    frames = [Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)) for _ in range(4)]
+    return [
+        {"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "And?"}]}
+    ]
+
+
 def text_messages(text: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text}]}]
 
@@ -65,11 +75,13 @@ def llm_calls(llm: LLM) -> dict[str, torch.Tensor]:
     shaped = llm.chat(
         text_messages("Describe a thing."), temperature=1.0, seed=5, response_format=JSON_FORMAT
     )
+    video = llm.chat(video_messages(), temperature=0, max_new_tokens=NEW, stop_token_ids=[])
     return {
         "llm.logits": logits[0, -6:],  # the image's and clip's soft tokens are all before these
         "llm.greedy": torch.tensor(greedy.token_ids),
         "llm.sampled": torch.tensor(sampled.token_ids),
         "llm.json": torch.tensor(shaped.token_ids),
+        "llm.video": torch.tensor(video.token_ids),
     }
 
 
@@ -84,7 +96,7 @@ class NothingAllowed:
 
 
 def engine_calls(llm: LLM) -> dict[str, torch.Tensor]:
-    """Five requests batched in one engine; each one's tokens, chosen tokens' log-probabilities
+    """Six requests batched in one engine; each one's tokens, chosen tokens' log-probabilities
     and finish reason (0 stop, 1 length, 2 error)."""
     engine = Engine(llm.model, max_batch_size=5, max_len=512, prefill_chunk=64)
     if dist.is_initialized():
@@ -94,6 +106,8 @@ def engine_calls(llm: LLM) -> dict[str, torch.Tensor]:
         engine = LeaderEngine(engine)
     inputs = llm.chat_inputs(media_messages())
     media = MediaInputs.from_dict({name: inputs[name] for name in MEDIA_INPUTS if name in inputs})
+    clip = llm.chat_inputs(video_messages())
+    video = MediaInputs.from_dict({name: clip[name] for name in MEDIA_INPUTS if name in clip})
     tokenizer = llm.tokenizer
     prompt = llm.chat_inputs(text_messages("Give me a thing."))["input_ids"][0].tolist()
     end = [tokenizer.turn_end_id]
@@ -112,6 +126,7 @@ def engine_calls(llm: LLM) -> dict[str, torch.Tensor]:
             constraint=Grammar.regex(tokenizer, "[a-z]{2,5} [0-9]{1,3}!"),
             stop_token_ids=end,
         ),
+        "video": dict(input_ids=clip["input_ids"][0], media=video, stop_token_ids=[]),
         "seeded": dict(
             input_ids=prompt, sampling=SamplingParams(temperature=0.8, top_k=20, seed=9), logprobs=0
         ),
@@ -144,6 +159,7 @@ def run(folder: Path) -> dict[str, torch.Tensor]:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     options = {"tensor_parallel_size": size} if size > 1 else {}
     llm = LLM(folder, dtype=torch.float32, attention="eager", prefix_cache_gb=0, progress=False, **options)
+    llm.video_num_frames, llm.video_soft_tokens = 2, 70
     return {**llm_calls(llm), **engine_calls(llm)}
 
 
