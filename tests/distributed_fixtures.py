@@ -106,12 +106,14 @@ def tails(logs: list[Path]) -> str:
 
 
 class Ranks:
-    """``tests/tp_worker.py OUT *args`` started on ``size`` ranks; ``results()`` waits for them
-    (the caller computes its references meanwhile) and returns rank 0's."""
+    """``tests/tp_worker.py OUT *args`` (or another ``worker`` script) started on ``size`` ranks;
+    ``results()`` waits for them (the caller computes its references meanwhile) and returns rank 0's."""
 
-    def __init__(self, tmp: Path, size: int, args: list[str], timeout: float = 120):
+    def __init__(
+        self, tmp: Path, size: int, args: list[str], timeout: float = 120, worker: str = "tp_worker.py"
+    ):
         self.out, self.timeout = tmp / f"tp{size}.safetensors", timeout
-        self.procs, self.logs = start(self.out, tmp, size, args)
+        self.procs, self.logs = start(self.out, tmp, size, args, worker)
 
     def results(self) -> dict[str, torch.Tensor]:
         wait_all(self.procs, self.logs, self.timeout)
@@ -124,7 +126,9 @@ class Ranks:
         kill(self.procs)  # nothing left running if the test failed before results()
 
 
-def start(out: Path, tmp: Path, size: int, args: list[str]) -> tuple[list, list]:
+def start(
+    out: Path, tmp: Path, size: int, args: list[str], worker: str = "tp_worker.py"
+) -> tuple[list, list]:
     port = free_port()
     procs, logs = [], []
     for rank in range(size):
@@ -133,7 +137,7 @@ def start(out: Path, tmp: Path, size: int, args: list[str]) -> tuple[list, list]
         with open(log, "w") as handle:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(HERE / "tp_worker.py"), str(out), *args],
+                    [sys.executable, str(HERE / worker), str(out), *args],
                     env=rank_env(rank, size, port),
                     stdout=handle,
                     stderr=subprocess.STDOUT,

@@ -9,6 +9,14 @@ heads. The logits every rank sees are the same bits (the LM head's columns are a
 each rank chooses the same tokens: a request without a seed gets one drawn on rank 0, so that its
 sampling generator is the same on every rank.
 
+A constrained request (``constraint=``: a grammar, JSON schema, regex) is the exception: its
+matcher's state (llguidance's, over the tokenizer) does not travel, and the followers need no
+tokenizer. Rank 0 alone holds the constraint and masks the full vocabulary's gathered logits with
+it; each token it chooses for the request (or its failure) is broadcast, and the followers take it
+(``LeaderChooses`` stands in for the constraint there). Media (images, audio, video) travel as the
+processor made them and every rank embeds them with its own whole copy of the towers (see the
+README's "Many devices").
+
 The calls travel as Python objects over a gloo group of their own (CPU, also beside NCCL) with a
 long timeout: followers wait there while the server is idle.
 """
@@ -40,6 +48,20 @@ class LeaderEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.group = command_group()
+        choose = engine._choose
+
+        def leading(request, logits):  # a constrained request's choice, sent to the followers
+            if request.constraint is None:
+                return choose(request, logits)
+            try:
+                token, logprobs = choose(request, logits)
+            except Exception as error:
+                self._send((None, f"{type(error).__name__}: {error}"))
+                raise
+            self._send((token, request.finish_reason))
+            return token, logprobs
+
+        engine._choose = leading
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -53,8 +75,12 @@ class LeaderEngine:
             sampling = replace(sampling, seed=int(torch.randint(2**62, ())))
         options["sampling"] = sampling
         input_ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        self._send(("add_request", (request_id, input_ids), options))
+        # Here first: a request that rank 0 refuses is never sent (the followers' checks are the
+        # same, less the constraint's, which rank 0 alone holds).
         self.engine.add_request(request_id, input_ids, **options)
+        if options.get("constraint") is not None:
+            options["constraint"] = LeaderChooses()
+        self._send(("add_request", (request_id, input_ids), options))
 
     def abort_request(self, request_id) -> None:
         self._send(("abort_request", (request_id,), {}))
@@ -69,10 +95,35 @@ class LeaderEngine:
         self._send(("stop", (), {}))
 
 
+class LeaderChooses:
+    """A follower's stand-in for a constrained request's constraint: rank 0 chooses the request's
+    tokens and sends them (``follow``)."""
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        raise RuntimeError("a constrained request's tokens are chosen on rank 0 (generation/ranks.py)")
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+
 def follow(engine: Engine) -> None:
     """A follower rank's loop: the leader's calls made on ``engine`` until it closes. A call that
     fails here failed on rank 0 too (the same checks on the same inputs), which reports it."""
     group = command_group()
+    choose = engine._choose
+
+    def following(request, logits):  # a constrained request's token, as rank 0 chose it
+        if request.constraint is None:
+            return choose(request, logits)
+        chosen = [None]
+        dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0), group=group)
+        token, reason = chosen[0]
+        if token is None:
+            raise ValueError(f"on rank 0: {reason}")
+        request.finish_reason = reason
+        return token, None  # (log-probabilities are reported by rank 0)
+
+    engine._choose = following
     while True:
         call = [None]
         dist.broadcast_object_list(call, src=dist.get_global_rank(group, 0), group=group)
