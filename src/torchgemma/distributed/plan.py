@@ -12,6 +12,12 @@ Tensor parallelism over ``size`` ranks, Megatron's split of a transformer layer:
   (tensor parallel), or whole experts, ``E / size`` per rank (``expert_parallel``), exchanged by
   ``"all-reduce"`` (each rank computes its experts for every token, the sums reduced) or
   ``"all-to-all"`` (each token's rows sent to its experts' ranks and back: ``routed.py``);
+* with a ``granule`` (quantized weights: 32, their groups), the MLP's and experts' intermediate
+  features are split in whole granules, unevenly where their count is not a multiple of ``size``
+  (the 26B-A4B's 704 expert features at 4 ranks: 192, 192, 160, 160), so that each rank's down
+  columns are whole quantization groups; where the width is not whole granules, or has fewer than
+  ``size``, the split is the even one, and a quantized down_proj whose share is not whole groups is
+  kept in float (``quantization.choose_formats`` warns);
 * the token table, tied LM head and PLE table: split by vocabulary rows;
 * everything else (norms, router, PLE projections, layer scalars, the towers) is replicated.
 
@@ -50,6 +56,17 @@ def _part(total: int, size: int, rank: int, what: str) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
+def _share(total: int, size: int, rank: int, granule: int, what: str) -> tuple[int, int]:
+    """[first, end) of ``total`` features on ``rank``: whole granules (the first ``units % size``
+    ranks one more) where ``total`` is whole granules, at least one per rank; else ``_part``."""
+    units, rest = divmod(total, granule)
+    if granule == 1 or rest or units < size:
+        return _part(total, size, rank, what)
+    base, extra = divmod(units, size)
+    first = rank * base + min(rank, extra)
+    return first * granule, (first + base + (rank < extra)) * granule
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Rank ``rank``'s share of a text decoder split over ``size`` ranks."""
@@ -58,6 +75,7 @@ class ShardPlan:
     size: int
     rank: int
     expert_parallel: bool | str = False  # True: the default of EXPERT_EXCHANGES, or one by name
+    granule: int = 1  # intermediate features split in whole multiples of this (quantization groups)
 
     def __post_init__(self) -> None:
         text = self.text
@@ -94,7 +112,9 @@ class ShardPlan:
             raise ParallelError(
                 f"layer {spec.index}: {kv} KV heads can be neither split over nor replicated on {size} ranks"
             )
-        mlp = _part(spec.intermediate_size, size, rank, f"layer {spec.index}'s intermediate_size")
+        mlp = _share(
+            spec.intermediate_size, size, rank, self.granule, f"layer {spec.index}'s intermediate_size"
+        )
         return LayerShard(q, kv_heads, mlp)
 
     @property
@@ -116,7 +136,7 @@ class ShardPlan:
             return None
         if self.expert_parallel:
             return _part(self.text.num_experts, self.size, self.rank, "num_experts")
-        _part(self.text.moe_intermediate_size, self.size, self.rank, "moe_intermediate_size")
+        _ = self.expert_features
         return None
 
     @property
@@ -131,7 +151,9 @@ class ShardPlan:
         """Tensor-parallel experts: [first, end) of each expert's intermediate features."""
         if not self.text.enable_moe_block or self.expert_parallel:
             return None
-        return _part(self.text.moe_intermediate_size, self.size, self.rank, "moe_intermediate_size")
+        return _share(
+            self.text.moe_intermediate_size, self.size, self.rank, self.granule, "moe_intermediate_size"
+        )
 
     def local_text(self) -> TextConfig:
         """The text config of the rank's own modules: its heads, KV heads and MLP widths (a KV cache
@@ -148,10 +170,14 @@ class ShardPlan:
             for spec, shard in zip(text.layers, shards)
         )
         features = self.expert_features
+        try:  # the config's default width (each layer's own is in its spec)
+            first, end = _share(text.intermediate_size, self.size, self.rank, self.granule, "")
+        except ParallelError:
+            first, end = 0, text.intermediate_size // self.size
         return replace(
             text,
             num_attention_heads=text.num_attention_heads // self.size,
-            intermediate_size=text.intermediate_size // self.size,
+            intermediate_size=end - first,
             moe_intermediate_size=text.moe_intermediate_size
             if features is None
             else features[1] - features[0],
@@ -195,5 +221,7 @@ class ShardPlan:
         return None
 
 
-def shard_plan(config: ModelConfig, size: int, rank: int, expert_parallel: bool | str = False) -> ShardPlan:
-    return ShardPlan(config.text, size, rank, expert_parallel)
+def shard_plan(
+    config: ModelConfig, size: int, rank: int, expert_parallel: bool | str = False, granule: int = 1
+) -> ShardPlan:
+    return ShardPlan(config.text, size, rank, expert_parallel, granule)
