@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from .reader import GGUFError
+from .slices import BlockRows
 
 _T = GGMLQuantizationType
 # Types whose dequantization is checked bit for bit against ggml's reference loops (tests/test_gguf.py).
@@ -57,8 +59,11 @@ _HALF_FIELDS = {
 _FLOAT_LIMITS = {_T.F32: (np.uint32, 0x7F800000), _T.F16: (np.uint16, 0x7C00), _T.BF16: (np.uint16, 0x7F80)}
 
 
-def _check_finite(blocks: np.ndarray, qtype: GGMLQuantizationType, first_block: int) -> None:
-    """Raise NonFiniteWeights if ``blocks`` ((n, type_size) bytes, block ``first_block`` on) hold a NaN
+def _check_finite(
+    blocks: np.ndarray, qtype: GGMLQuantizationType, first_block: int | Callable[[int], int]
+) -> None:
+    """Raise NonFiniteWeights if ``blocks`` ((n, type_size) bytes, block ``first_block`` on, or the
+    tensor's block ``first_block(i)`` for block i of a piece: slices.BlockRows) hold a NaN
     or an infinite value (float types) or block field (block types). Bits are tested, not floats (no
     warnings): a value is NaN or infinite where its bits less the sign reach the exponent's all-ones
     pattern. ~20 us per 4096 Q8_0 blocks. The IQ and ternary types (decoded by the gguf package) are
@@ -76,7 +81,8 @@ def _check_finite(blocks: np.ndarray, qtype: GGMLQuantizationType, first_block: 
         magnitude = field & unsigned
         if magnitude.size and magnitude.max() >= limit:
             index = int(np.argmax((magnitude >= limit).reshape(len(blocks), -1).any(axis=1)))
-            raise NonFiniteWeights(f"a NaN or infinite {what} in block {first_block + index}")
+            where = first_block(index) if callable(first_block) else first_block + index
+            raise NonFiniteWeights(f"a NaN or infinite {what} in block {where}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,39 +402,47 @@ def grouped_ints(
     release: Callable[[int, int], None] | None = None,
     *,
     finite: bool = False,
+    pieces: list[tuple[int, int, int]] | None = None,
 ) -> GroupedInts:
     """A tensor's raw GGUF blocks as ``GroupedInts`` (``qtype`` in ``INT_TYPES``), its leading
     dimensions flattened into rows (stacked experts: (E, N, K) -> E * N rows).
 
     Converted ~1 MB of file bytes (``_SLAB_BYTES``) at a time into the result, ``release(begin, end)`` called on each
     byte range of ``data`` once read: a large tensor (a 262144-row token table) is then never in
-    memory twice, as file pages and as integers. ``finite``: as ``dequantize``'s."""
+    memory twice, as file pages and as integers. ``finite``: as ``dequantize``'s. ``pieces``: only
+    that piece of the tensor (``slices.piece_rows``; tensor parallelism), only its bytes read; cut
+    along the columns, its ends must be whole groups."""
     if qtype not in _INTS or len(shape) < 2:
         raise GGUFError(f"{qtype.name} tensors of shape {list(shape)} are not read as grouped integers")
-    rows, cols = math.prod(shape[:-1]), shape[-1]
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if cols % block or raw.size != rows * cols // block * type_size:
-        raise GGUFError(f"{raw.size} bytes of {qtype.name} data do not hold a tensor of shape {list(shape)}")
-    row_bytes = cols // block * type_size
-    step = max(1, _SLAB_BYTES // row_bytes)
+    reader = BlockRows(data, qtype, shape, pieces)
+    bits, group, _ = INT_TYPES[qtype]
+    if reader.lead % group or reader.width % group:
+        raise GGUFError(
+            f"columns {reader.first}..{reader.end} of a {qtype.name} tensor of shape {list(shape)} are not "
+            f"whole groups of {group}"
+        )
+    rows = reader.n_rows
+    step = max(1, _SLAB_BYTES // reader.row_bytes)
     q_all, parts, half = None, [], True  # parts: the scales (and mins), float16 while exact
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        blocks = raw[start * row_bytes : stop * row_bytes].reshape(-1, type_size)
+        blocks = reader.take(start, stop)
         with np.errstate(invalid="ignore", over="ignore"):
             bits, group, q, *chunk = _INTS[qtype](blocks)
+        q = np.ascontiguousarray(reader.cut(q.reshape(stop - start, -1), bits / 8))
         chunk = [
-            np.ascontiguousarray(v, np.float32).reshape(stop - start, -1) for v in chunk if v is not None
+            np.ascontiguousarray(reader.cut(np.asarray(v, np.float32).reshape(stop - start, -1), 1 / group))
+            for v in chunk
+            if v is not None
         ]
         if finite and not all(np.isfinite(v).all() for v in chunk):
             # The scales and offsets are products of the blocks' float16 fields (a NaN or infinite
             # field makes one NaN or infinite, even times 0): checked here, where they already are.
-            _check_finite(blocks, qtype, start * row_bytes // type_size)  # finds the block, raises
+            _check_finite(blocks, qtype, partial(reader.block_index, start))  # finds the block, raises
         if q_all is None:
-            q_all = np.empty((rows, q.size // (stop - start)), q.dtype)
+            q_all = np.empty((rows, q.shape[1]), q.dtype)
             parts = [np.empty((rows, v.shape[1]), np.float16) for v in chunk]
-        q_all[start:stop] = q.reshape(stop - start, -1)
+        q_all[start:stop] = q
         if half and not all(_exact_in_half(v) for v in chunk):
             # Kept as float32 from here: the rows so far widen exactly (no float32 copy of a
             # tensor whose scales float16 holds, as the token table's: 21 MB freed again would
@@ -443,9 +457,39 @@ def grouped_ints(
         for part, v in zip(parts, chunk):
             part[start:stop] = v
         if release is not None:
-            release(start * row_bytes, stop * row_bytes)
+            release(*reader.span(start, stop))
     scales, mins = [torch.from_numpy(v) for v in parts] + [None] * (2 - len(parts))
     return GroupedInts(bits, group, torch.from_numpy(q_all), scales, mins)
+
+
+def dequantize_piece(
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    pieces: list[tuple[int, int, int]],
+    dtype: torch.dtype = torch.float32,
+    release: Callable[[int, int], None] | None = None,
+    *,
+    finite: bool = False,
+) -> torch.Tensor:
+    """``pieces`` (``slices.piece_rows``) of the tensor ``dequantize`` would give, reading only their
+    blocks, a few rows at a time: the same values (each block decoded by the same code, then cut to
+    the piece's columns and cast as ``dequantize`` casts)."""
+    reader = BlockRows(data, qtype, shape, pieces)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = torch.from_numpy(np.empty(math.prod(reader.shape) * itemsize, np.uint8)).view(dtype)
+    rows = out.view(reader.n_rows, reader.width)
+    step = max(1, _CHUNK_VALUES // reader.values)
+    for start in range(0, reader.n_rows, step):
+        stop = min(reader.n_rows, start + step)
+        blocks = reader.take(start, stop)
+        if finite and qtype in _DECODERS:
+            _check_finite(blocks, qtype, partial(reader.block_index, start))
+        values = dequantize(blocks, qtype, (stop - start, reader.values))
+        rows[start:stop].copy_(torch.from_numpy(reader.cut(values.numpy())))
+        if release is not None:
+            release(*reader.span(start, stop))
+    return out.view(reader.shape)
 
 
 def _exact_in_half(values: np.ndarray) -> bool:

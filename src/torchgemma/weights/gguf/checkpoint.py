@@ -14,10 +14,19 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError, ModelConfig
-from .blocks import INT_TYPES, SUPPORTED_TYPES, GroupedInts, NonFiniteWeights, dequantize, grouped_ints
+from .blocks import (
+    INT_TYPES,
+    SUPPORTED_TYPES,
+    GroupedInts,
+    NonFiniteWeights,
+    dequantize,
+    dequantize_piece,
+    grouped_ints,
+)
 from .metadata import read_config
 from .names import SUPPORTED_ARCHITECTURES, Entry, check_layers, hf_shape, plan_tensors
 from .reader import GGUFError, _GGUFFile
+from .slices import Pieces
 
 
 class GGUFCheckpoint:
@@ -69,9 +78,16 @@ class GGUFCheckpoint:
         """The GGML type each Hugging Face tensor is stored in (e.g. ``{"model.norm.weight": "F32"}``)."""
         return {e.hf_name: "+".join(self._gguf[s].type_name for s in e.sources) for e in self._entries}
 
-    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """One tensor, dequantized, in Hugging Face layout and semantics, cast to ``dtype``."""
-        return self._load(self._entry(hf_name), dtype)
+    def tensor(
+        self, hf_name: str, dtype: torch.dtype = torch.float32, pieces: Pieces | None = None
+    ) -> torch.Tensor:
+        """One tensor, dequantized, in Hugging Face layout and semantics, cast to ``dtype``.
+        ``pieces``: only that piece of it (``distributed.ShardPlan.slices``), only its blocks read."""
+        return self._load(self._entry(hf_name), dtype, pieces)
+
+    def load(self, hf_name: str, dtype: torch.dtype = torch.float32) -> TensorLoad:
+        """The loader's handle on one tensor (``TensorLoad``): read when called."""
+        return TensorLoad(self, hf_name, dtype)
 
     def int_format(self, hf_name: str) -> tuple[int, int, bool] | None:
         """(bits, group size, offsets?) if ``grouped_ints`` reads the tensor, else None: its type is
@@ -87,8 +103,9 @@ class GGUFCheckpoint:
             return None
         return INT_TYPES.get(info.qtype)
 
-    def grouped_ints(self, hf_name: str) -> GroupedInts:
-        """One tensor as the file stores it, for the tensors ``int_format`` accepts."""
+    def grouped_ints(self, hf_name: str, pieces: Pieces | None = None) -> GroupedInts:
+        """One tensor as the file stores it, for the tensors ``int_format`` accepts (``pieces``: a
+        piece of it, as ``tensor``'s; cut along the columns, its ends must be whole groups)."""
         if self.int_format(hf_name) is None:
             raise GGUFError(f"{self.path.name}: {hf_name} is not stored as grouped integers")
         info = self._gguf[self._entry(hf_name).sources[0]]
@@ -99,6 +116,7 @@ class GGUFCheckpoint:
                 info.shape,
                 lambda a, b: self._file.release(info, a, b),
                 finite=True,
+                pieces=pieces,
             )
         self._file.release(info)
         return ints
@@ -141,13 +159,23 @@ class GGUFCheckpoint:
                 f"would compute NaN"
             ) from None
 
-    def _decoded(self, info, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _decoded(
+        self, info, hf_name: str, dtype: torch.dtype = torch.float32, pieces: Pieces | None = None
+    ) -> torch.Tensor:
         with self._naming(info, hf_name):
+            if pieces is not None:
+                release = lambda a, b: self._file.release(info, a, b)  # noqa: E731
+                raw = self._file.raw(info)
+                return dequantize_piece(raw, info.qtype, info.shape, pieces, dtype, release, finite=True)
             return dequantize(self._file.raw(info), info.qtype, info.shape, dtype, finite=True)
 
-    def _load(self, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+    def _load(self, entry: Entry, dtype: torch.dtype, pieces: Pieces | None = None) -> torch.Tensor:
         parts = [self._gguf[s] for s in entry.sources]
-        if entry.shift_norm:
+        per_source = _source_pieces(entry, parts, pieces) if pieces is not None else None
+        if per_source is not None:  # only the piece's blocks read
+            values = [self._decoded(info, entry.hf_name, dtype, p) for info, p in per_source]
+            tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        elif entry.shift_norm:
             # llama.cpp stores Gemma 3 norms as 1 + w (transformers computes x * (1 + w)): undo it in
             # float32, where the converter added it, before any cast.
             (info,) = parts
@@ -160,6 +188,9 @@ class GGUFCheckpoint:
         else:
             values = [self._decoded(t, entry.hf_name, dtype) for t in parts]
             tensor = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        if pieces is not None and per_source is None:  # read whole, then cut
+            cut = [tensor.narrow(dim, first, end - first) for dim, first, end in pieces]
+            tensor = torch.cat(cut, dim=pieces[0][0])
         for info in parts:
             self._file.release(info)
         return tensor
@@ -206,6 +237,47 @@ class GGUFCheckpoint:
                 f"; ... ({len(problems)} problems)" if len(problems) > 8 else ""
             )
             raise GGUFError(f"{self.path.name} does not match the config read from its metadata: {shown}")
+
+
+def _source_pieces(entry: Entry, parts: list, pieces: Pieces) -> list[tuple] | None:
+    """(GGUF tensor, its pieces) to read, in order, for ``pieces`` of ``entry``'s tensor; None where
+    the tensor is read whole and then cut (a Gemma 3 norm, a matrix of a stack: never split, or a
+    piece across two of the tensors concatenated)."""
+    if entry.shift_norm or entry.part is not None:
+        return None
+    if len(parts) == 1:
+        return [(parts[0], pieces)]
+    if any(dim != 1 for dim, _, _ in pieces):  # tensors concatenated on dim 1: each cut alike
+        return [(info, pieces) for info in parts]
+    found, offset = [], 0
+    bounds = []
+    for info in parts:
+        bounds.append((info, offset, offset + info.shape[1]))
+        offset += info.shape[1]
+    for dim, first, end in pieces:
+        holder = next(((i, a) for i, a, b in bounds if a <= first and end <= b), None)
+        if holder is None:
+            return None
+        found.append((holder[0], [(dim, first - holder[1], end - holder[1])]))
+    return found
+
+
+class TensorLoad:
+    """One tensor of a GGUF checkpoint as the loader reads it: called, dequantized into ``dtype``;
+    ``blocks()``, its grouped integers; ``narrow(pieces)``, a piece of it (tensor parallelism),
+    read alike but from the piece's blocks only."""
+
+    def __init__(self, checkpoint, hf_name: str, dtype: torch.dtype, pieces: Pieces | None = None):
+        self.checkpoint, self.hf_name, self.dtype, self.pieces = checkpoint, hf_name, dtype, pieces
+
+    def __call__(self) -> torch.Tensor:
+        return self.checkpoint.tensor(self.hf_name, self.dtype, self.pieces)
+
+    def blocks(self) -> GroupedInts:
+        return self.checkpoint.grouped_ints(self.hf_name, self.pieces)
+
+    def narrow(self, pieces: Pieces) -> TensorLoad:
+        return TensorLoad(self.checkpoint, self.hf_name, self.dtype, pieces)
 
 
 def _model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

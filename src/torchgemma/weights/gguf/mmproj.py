@@ -26,7 +26,7 @@ import torch
 
 from ...config import ConfigError, ModelConfig
 from .blocks import SUPPORTED_TYPES, NonFiniteWeights, dequantize
-from .checkpoint import GGUFCheckpoint, _model_shapes, read_gguf
+from .checkpoint import GGUFCheckpoint, TensorLoad, _model_shapes, read_gguf
 from .mmproj_names import BOUNDS, LAYOUTS, TOWERS, MultimodalLayout, TowerNames, Transform
 from .reader import GGUFError, _GGUFFile
 
@@ -216,10 +216,13 @@ class MultimodalGGUF:
             return self.mmproj.shape(self._towers[hf_name])
         return self.text.shape(self._text_name(hf_name))
 
-    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if hf_name in self._towers:
+    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32, pieces=None) -> torch.Tensor:
+        if hf_name in self._towers:  # the towers are never split (replicated under tensor parallelism)
             return self.mmproj.load(self._towers[hf_name], dtype)
-        return self.text.tensor(self._text_name(hf_name), dtype)
+        return self.text.tensor(self._text_name(hf_name), dtype, pieces)
+
+    def load(self, hf_name: str, dtype: torch.dtype = torch.float32) -> TensorLoad:
+        return TensorLoad(self, hf_name, dtype)
 
     def stored_bytes(self, hf_name: str) -> int:
         if hf_name in self._towers:
@@ -230,8 +233,8 @@ class MultimodalGGUF:
         """Only the text model's tensors are kept as grouped integers; the towers are dequantized."""
         return None if hf_name in self._towers else self.text.int_format(self._text_name(hf_name))
 
-    def grouped_ints(self, hf_name: str):
-        return self.text.grouped_ints(self._text_name(hf_name))
+    def grouped_ints(self, hf_name: str, pieces=None):
+        return self.text.grouped_ints(self._text_name(hf_name), pieces)
 
     def _text_name(self, hf_name: str) -> str:
         try:
