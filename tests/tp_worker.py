@@ -119,6 +119,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--quantize", default=None)
+    parser.add_argument("--activations", default="auto")  # quantized products' activations; "none"
     args = parser.parse_args()
     torch.set_num_threads(1)
     global BEFORE_KIB
@@ -132,10 +133,14 @@ def main() -> None:
             tensor_parallel_size=int(__import__("os").environ["WORLD_SIZE"]),
             expert_parallel=args.expert_exchange or args.expert_parallel,
             quantize=None if args.quantize == "none" else args.quantize,
+            activations=None if args.activations == "none" else args.activations,
         )
         for task in args.task.split(","):
             for key, value in TASKS[task](model, seed=seed_of(name)).items():
                 results[f"{name}.{key}"] = value.contiguous()
+        quantization = getattr(model, "quantization", None)
+        if quantization is not None:  # the rank's layers quantized, and those kept in float
+            results[f"{name}.layers"] = torch.tensor([len(quantization["layers"]), len(quantization["kept"])])
     if not dist.is_initialized():  # one process (WORLD_SIZE=1): the comparison's own figures
         save_file(results, args.out)
         return

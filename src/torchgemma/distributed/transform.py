@@ -239,7 +239,8 @@ class ExpertShard(Experts):
 def shard_source(source: list[tuple], plan: ShardPlan, module_path) -> list[tuple]:
     """A checkpoint's tensor table ``(key, load, shape, dtype)`` as the rank reads it: each split
     tensor's load returns only the rank's slice (of a memory-mapped file: only the slice's bytes
-    are copied), its shape the slice's. ``module_path``: the config's key -> module path rule."""
+    are copied; a load with a ``narrow(pieces)`` of its own, a GGUF tensor's, reads only the
+    slice's blocks), its shape the slice's. ``module_path``: the config's key -> module path rule."""
     sharded = []
     for key, load, shape, dtype in source:
         name = module_path(key)
@@ -249,7 +250,9 @@ def shard_source(source: list[tuple], plan: ShardPlan, module_path) -> list[tupl
             continue
         local = list(shape)
         local[pieces[0][0]] = sum(end - first for _, first, end in pieces)
-        sharded.append((key, _SliceLoad(load, pieces), tuple(local), dtype))
+        narrow = getattr(load, "narrow", None)
+        sliced = narrow(pieces) if narrow is not None else _SliceLoad(load, pieces)
+        sharded.append((key, sliced, tuple(local), dtype))
     return sharded
 
 

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,15 @@ class QuantizationPlan:
     activations: str | None = None
     device: torch.device = torch.device("cpu")
     gguf: Any = None
+
+    @property
+    def shard_granule(self) -> int:
+        """The width tensor parallelism keeps whole when it splits a layer's input features (the
+        MLP's and experts' intermediate features; ``distributed.ShardPlan.granule``): 32 where the
+        weights are quantized in groups of 32 ("int4") or of 32 or 16 (a GGUF file's blocks read as
+        grouped integers), so that each rank's columns are whole groups; else 1. ("int8" has one
+        scale per row: each rank's share of a split row gets its own scale.)"""
+        return 32 if self.mode in ("int4", "gguf") else 1
 
     @staticmethod
     def check(quantize: str | None, activations: str | None) -> None:
@@ -114,12 +122,16 @@ class QuantizationPlan:
         items = dict(quantizable(model))
         keys = {name.removesuffix(".weight"): key for name, key, _ in loads}
         modules = [(name, item) for name, item in items.items() if name in keys]
+        shards = getattr(model, "shard_plan", None)  # tensor parallelism: the widths are the rank's
+        context = "" if shards is None else f" (this rank's share of {shards.size})"
         if self.mode == "gguf":
             spec = {name: self.gguf.int_format(keys[name]) for name, _ in modules}
-            chosen, kept = choose_formats(modules, lambda name, features: spec[name] and Format(*spec[name]))
+            chosen, kept = choose_formats(
+                modules, lambda name, features: spec[name] and Format(*spec[name]), context
+            )
         else:
             chosen, kept = choose_formats(
-                modules, lambda name, features: mode_format(self.mode, None, features)
+                modules, lambda name, features: mode_format(self.mode, None, features), context
             )
         for name, fmt in chosen.items():
             with torch.device("meta"):
@@ -129,10 +141,8 @@ class QuantizationPlan:
         if self.mode != "gguf":
             return loads
         blocks = {keys[name] for name in chosen}
-        return [
-            (name, key, partial(self.gguf.grouped_ints, key) if key in blocks else load)
-            for name, key, load in loads
-        ]
+        # (a GGUF tensor's load, weights.gguf.TensorLoad, reads its blocks, or its rank's piece's)
+        return [(name, key, load.blocks if key in blocks else load) for name, key, load in loads]
 
     def apply(self, model: nn.Module) -> nn.Module:
         """On the filled model: its quantization record final, and a quantized model on the CPU fused

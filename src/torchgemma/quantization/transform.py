@@ -156,10 +156,11 @@ def auto_activations(quantized: bool, device: torch.device) -> str | None:
     return "int16" if quantized and device.type == "cpu" and vnni_available() else None
 
 
-def choose_formats(modules, fmt_for) -> tuple[dict[str, Format], dict[str, str]]:
+def choose_formats(modules, fmt_for, context: str = "") -> tuple[dict[str, Format], dict[str, str]]:
     """({name: format} of the modules to quantize, {name: reason} of those kept in full precision).
 
-    ``fmt_for(name, in_features)`` gives a module's format, or None to keep it as it is."""
+    ``fmt_for(name, in_features)`` gives a module's format, or None to keep it as it is; ``context``
+    follows "their width" in the warning (tensor parallelism: whose width)."""
     chosen: dict[str, Format] = {}
     kept: dict[str, str] = {}
     for name, item in modules:
@@ -177,8 +178,8 @@ def choose_formats(modules, fmt_for) -> tuple[dict[str, Format], dict[str, str]]
         raise ValueError(f"no layer can be quantized in this format: {first}")
     if kept:
         warnings.warn(
-            f"torchgemma: {len(kept)} layer(s) kept in full precision, their width does not fit the "
-            f"format: {'; '.join(list(kept.values())[:3])}",
+            f"torchgemma: {len(kept)} layer(s) kept in full precision, their width{context} does not fit "
+            f"the format: {'; '.join(list(kept.values())[:3])}",
             stacklevel=3,
         )
     return chosen, kept

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -162,12 +161,8 @@ def load(
             rank, device = init_group(tensor_parallel_size, device)
             if checkpoint.config.quantization is not None:
                 raise ValueError(f"{path} was saved quantized: load its float checkpoint to split it")
-            if plan.mode == "gguf":  # GroupedInts are not sliced yet
-                raise ValueError(
-                    f"tensor parallelism does not keep GGUF blocks yet: load {path.name} with quantize=None "
-                    '(each rank dequantizes its slices) or quantize="int4"'
-                )
-            shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel)
+            granule = plan.shard_granule  # quantization groups kept whole where the widths allow
+            shards = ShardPlan(checkpoint.config.text, tensor_parallel_size, rank, expert_parallel, granule)
         built = (checkpoint, plan, dtype, device, attention, host_table, path.name if progress else None)
         model = _build(*built) if shards is None else _build(*built, shards)
         model.language_model.set_experts(experts)
@@ -216,7 +211,8 @@ def _open_gguf(path: Path, mmproj: str | Path | None) -> _Checkpoint:
     stored = {name: checkpoint.stored_bytes(name) for name in names}
 
     def tensors(dtype: torch.dtype) -> list[tuple]:
-        return [(name, partial(checkpoint.tensor, name, dtype), checkpoint.shape(name), "") for name in names]
+        # Each load reads its tensor when called; under tensor parallelism, narrowed to the rank's piece.
+        return [(name, checkpoint.load(name, dtype), checkpoint.shape(name), "") for name in names]
 
     # GGUF blocks are dequantized into float32 unless another dtype is asked for.
     return _Checkpoint(config, checkpoint_dtype(config, gguf=True), stored, tensors, gguf=checkpoint)
