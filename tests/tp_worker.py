@@ -101,7 +101,10 @@ def _status_kib(field: str) -> int:
 def memory(model, seed: int) -> dict[str, torch.Tensor]:
     """The rank's parameter bytes and its resident memory after loading and at the peak (KiB)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"memory": torch.tensor([params // 1024, _status_kib("VmRSS"), _status_kib("VmHWM"), BEFORE_KIB])}
+    # Parameters and buffers (a quantized layer's weights are buffers: qweight, scales, mins).
+    weights = params + sum(b.numel() * b.element_size() for b in model.buffers())
+    figures = [params // 1024, _status_kib("VmRSS"), _status_kib("VmHWM"), BEFORE_KIB]
+    return {"memory": torch.tensor(figures), "weights": torch.tensor([weights // 1024])}
 
 
 TASKS = {"logits": logits_and_tokens, "engine": engine_batch, "memory": memory, "experts": routed_experts}
