@@ -112,36 +112,44 @@ def _cut(tensor: torch.Tensor, pieces) -> torch.Tensor:
     return torch.cat([tensor.narrow(d, a, b - a) for d, a, b in pieces], dim=pieces[0][0])
 
 
-def test_gguf_pieces_read_as_the_whole_tensor_cut(gguf_files):
-    """Every tensor a rank splits, at 2 and 4 ranks: its piece, dequantized or as grouped integers
-    (where its columns are whole groups), holds the values of the whole tensor cut; a piece whose
-    columns are not whole groups is refused as integers, naming them."""
-    checkpoint = read_gguf(gguf_files["26b"])
+def test_gguf_pieces_read_as_the_whole_tensor_cut(gguf_files, tmp_path):
+    """Every tensor a rank splits, at 2 and 4 ranks (and whole experts at 2): its piece, dequantized
+    or as grouped integers (where its columns are whole groups), holds the values of the whole
+    tensor cut; a piece whose columns are not whole groups is refused as integers, naming them. A
+    file with gate and up experts apart reads each one's piece."""
+    split = tmp_path / "split.gguf"
+    write_gguf(split, random_model("gemma4_text", GEMMA4_STYLES["26b"], seed=4), seed=2, split_experts=True)
+    plans = [(size, rank, False) for size in (2, 4) for rank in range(size)] + [(2, 1, True)]
+    assert _check_pieces(read_gguf(gguf_files["26b"]), plans)  # 4 ranks: the sliding o_proj's 16 columns
+    _check_pieces(read_gguf(split), [(2, 1, False), (2, 1, True)], "experts")
+
+
+def _check_pieces(checkpoint, plans, only: str = "") -> int:
+    """The tensors whose names hold ``only`` checked under ``plans``; the pieces refused as integers."""
     config = checkpoint.model_config
     refused = 0
-    for size in (2, 4):
-        for rank in range(size):
-            plan = ShardPlan(config.text, size, rank, granule=32)
-            for name in checkpoint.tensor_names():
-                pieces = plan.slices(config.module_path(name))
-                if pieces is None:
-                    continue
-                want = _cut(checkpoint.tensor(name), pieces)
-                assert torch.equal(checkpoint.tensor(name, pieces=pieces), want), (name, pieces)
-                if checkpoint.int_format(name) is None:
-                    continue
-                try:
-                    ints = checkpoint.grouped_ints(name, pieces)
-                except GGUFError as err:
-                    assert "are not whole groups of" in str(err), err
-                    refused += 1
-                    continue
-                mins = None if ints.mins is None else ints.mins.float()
-                values = torch.ops.torchgemma.dequantize(
-                    ints.qweight, ints.scales.float(), mins, ints.bits, ints.group_size
-                )
-                assert torch.equal(values, want.reshape(values.shape)), (name, pieces)
-    assert refused  # 4 ranks: the sliding o_proj's 16 columns
+    for size, rank, whole_experts in plans:
+        plan = ShardPlan(config.text, size, rank, whole_experts, granule=32)
+        for name in checkpoint.tensor_names():
+            pieces = plan.slices(config.module_path(name))
+            if pieces is None or only not in name:
+                continue
+            want = _cut(checkpoint.tensor(name), pieces)
+            assert torch.equal(checkpoint.tensor(name, pieces=pieces), want), (name, pieces)
+            if checkpoint.int_format(name) is None:
+                continue
+            try:
+                ints = checkpoint.grouped_ints(name, pieces)
+            except GGUFError as err:
+                assert "are not whole groups of" in str(err), err
+                refused += 1
+                continue
+            mins = None if ints.mins is None else ints.mins.float()
+            values = torch.ops.torchgemma.dequantize(
+                ints.qweight, ints.scales.float(), mins, ints.bits, ints.group_size
+            )
+            assert torch.equal(values, want.reshape(values.shape)), (name, pieces)
+    return refused
 
 
 def test_a_piece_reads_only_its_blocks(tmp_path):
