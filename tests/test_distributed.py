@@ -56,11 +56,12 @@ def check_against_one_process(got: dict, refs: dict) -> None:
             )
 
 
-def compare(tmp_path, size: int, folders: dict, dtype: str, *extra: str) -> None:
+def compare(tmp_path, size: int, folders: dict, dtype: str, *extra: str, tasks: str = "logits") -> dict:
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    with Ranks(tmp_path, size, _args(folders, "logits", "--dtype", dtype, *extra), timeout=300) as ranks:
+    with Ranks(tmp_path, size, _args(folders, tasks, "--dtype", dtype, *extra), timeout=300) as ranks:
         refs = one_process(folders, torch_dtype)  # while the ranks run
-        check_against_one_process(ranks.results(), refs)
+        check_against_one_process(got := ranks.results(), refs)
+    return got
 
 
 def _args(folders: dict, *extra: str) -> list[str]:
@@ -68,8 +69,12 @@ def _args(folders: dict, *extra: str) -> list[str]:
 
 
 def test_two_ranks_match_one_process_fp32(gen_checkpoints, tmp_path, one_thread):
-    """E2B (PLE, KV sharing, its one KV head on both ranks) and 26B (MoE, K=V); all four: slow."""
-    compare(tmp_path, 2, {s: gen_checkpoints[s] for s in ("e2b", "26b")}, "fp32")
+    """E2B (PLE, KV sharing, its one KV head on both ranks) and 26B (MoE, K=V); all four: slow.
+    The ranks' RNGs, seeded apart before the load, draw alike after it (unseeded sampling)."""
+    got = compare(tmp_path, 2, {s: gen_checkpoints[s] for s in ("e2b", "26b")}, "fp32", tasks="rng,logits")
+    for style in ("e2b", "26b"):
+        draws = got[f"{style}.rng"]
+        assert draws.shape == (2, 4) and torch.equal(draws[0], draws[1]), draws
 
 
 @pytest.mark.slow

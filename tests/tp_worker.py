@@ -86,6 +86,17 @@ def routed_experts(model, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def rng_draws(model, seed: int) -> dict[str, torch.Tensor]:
+    """Every rank's next draws of torch's global RNG after the load (the ranks were seeded apart
+    before it: ``load`` must have given them rank 0's seed), gathered in rank order."""
+    draws = torch.rand(4)
+    if not dist.is_initialized():
+        return {"rng": draws[None]}
+    gathered = [torch.empty(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, draws)
+    return {"rng": torch.stack(gathered)}
+
+
 def seed_of(name: str) -> int:
     return zlib.crc32(name.encode()) % 1000
 
@@ -107,7 +118,13 @@ def memory(model, seed: int) -> dict[str, torch.Tensor]:
     return {"memory": torch.tensor(figures), "weights": torch.tensor([weights // 1024])}
 
 
-TASKS = {"logits": logits_and_tokens, "engine": engine_batch, "memory": memory, "experts": routed_experts}
+TASKS = {
+    "rng": rng_draws,
+    "logits": logits_and_tokens,
+    "engine": engine_batch,
+    "memory": memory,
+    "experts": routed_experts,
+}
 BEFORE_KIB = 0
 
 
@@ -125,6 +142,7 @@ def main() -> None:
     parser.add_argument("--activations", default="auto")  # quantized products' activations; "none"
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.manual_seed(1 + int(__import__("os").environ.get("RANK", 0)))  # ranks apart until the load
     global BEFORE_KIB
     BEFORE_KIB = _status_kib("VmRSS")  # torch imported, nothing loaded
     results = {}

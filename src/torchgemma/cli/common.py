@@ -180,16 +180,15 @@ def load_llm(args: argparse.Namespace):
 
 def parallel_options(args: argparse.Namespace) -> dict:
     """--tensor-parallel-size / --expert-parallel as load options; under them only rank 0 writes to
-    stdout (every rank runs the same command), and every rank seeds torch's RNG with rank 0's seed."""
+    stdout (every rank runs the same command); ``load`` seeds every rank's RNG with rank 0's seed."""
     size = getattr(args, "tensor_parallel_size", 1)
     if size == 1 and not getattr(args, "expert_parallel", False):
         return {}
     import os
 
-    from ..distributed import init_group, is_leader, sync_seed
+    from ..distributed import init_group, is_leader
 
     init_group(size, torch.device(args.device))
-    sync_seed()
     if not is_leader():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     return {"tensor_parallel_size": size, "expert_parallel": args.expert_parallel}

@@ -40,11 +40,14 @@ def is_leader() -> bool:
 
 def sync_seed() -> None:
     """Seed torch's RNG on every rank with one seed drawn on rank 0: unseeded sampling then draws
-    the same numbers on every rank, which computes the same logits."""
+    the same numbers on every rank, which computes the same logits (``load`` calls this when it
+    splits a model)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     seed = (
         torch.randint(2**62, (), dtype=torch.int64)
         if dist.get_rank() == 0
         else torch.zeros((), dtype=torch.int64)
     )
+    seed = seed.to(device)
     dist.broadcast(seed, src=0)
     torch.manual_seed(int(seed))

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
-from ..distributed import ShardPlan, build_sharded, connect, init_group, shard_source
+from ..distributed import ShardPlan, build_sharded, connect, init_group, shard_source, sync_seed
 from ..model import Gemma
 from ..model.attention import ATTENTION_BACKENDS
 from ..model.text import check_experts
@@ -159,6 +159,7 @@ def load(
         shards = None
         if tensor_parallel_size > 1 or expert_parallel:
             rank, device = init_group(tensor_parallel_size, device)
+            sync_seed()  # unseeded sampling must draw alike on every rank
             if checkpoint.config.quantization is not None:
                 raise ValueError(f"{path} was saved quantized: load its float checkpoint to split it")
             granule = plan.shard_granule  # quantization groups kept whole where the widths allow
