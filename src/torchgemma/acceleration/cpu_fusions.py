@@ -46,7 +46,7 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (Attributes read directly: this runs ~110 times per decoded token.)
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or not ensure_kernels():
+        if x.dtype is not torch.float32 or not x.is_cpu or not ensure_kernels():
             return super().forward(x)
         weight = self._parameters.get("weight")
         if weight is not None and weight.requires_grad and torch.is_grad_enabled():
