@@ -213,3 +213,45 @@ def test_the_fusions_leave_other_dtypes_to_the_reference(text_checkpoints):
     assert torch.equal(_run(fused, ids, mask), _run(plain, ids, mask))
     assert {m.rope for m in plain.modules() if isinstance(m, Attention)} == {apply_rope}
     assert all(m.backends is ATTENTION for m in plain.modules() if isinstance(m, Attention))
+
+
+@pytest.mark.parametrize("names", [["a"], ["a", "b", "c"]])
+def test_rings_as_long_as_the_cache_are_read_in_place_with_the_gathered_bits(
+    text_checkpoints, names, monkeypatch
+):
+    """A cache shorter than the sliding window (its rings as long as the cache, shorter than the
+    window's past and the new key): decode steps still read the rings in place,
+    skipping the window's positions before 0, with the bits of the copied keys (one row, whose keys
+    are a slice; rows of different lengths, each with its mask)."""
+    from torchgemma import cache as cache_module
+    from torchgemma.generation import Engine
+
+    model = fuse_cpu_ops(torchgemma.load(text_checkpoints["e2b"], dtype=torch.float32))
+    window = model.config.text.sliding_window
+    prompts = {"a": [5, 6], "b": [20], "c": [40, 41, 42]}
+
+    def run():
+        engine = Engine(model, max_batch_size=3, max_len=window - 1)
+        for name in names:
+            engine.add_request(
+                name, prompts[name], max_new_tokens=window - 1 - len(prompts[name]), logprobs=0
+            )
+        got = {name: [] for name in names}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id].append((out.token_id, out.logprobs.logprob))
+        assert engine.cache.ring == window - 1 < engine.cache.past_len + 1  # the past alone fills it
+        return got
+
+    ring_calls = []
+
+    def ring_kernel(q, k, v, scale, visible, slots, offsets):
+        ring_calls.append(visible.shape)
+        return torch.ops.torchgemma.decode_attention_ring(q, k, v, scale, visible, slots, offsets)
+
+    monkeypatch.setattr(cpu_fusions, "_DECODE_ATTENTION_RING", ring_kernel)
+    in_place = run()
+    assert ring_calls and all(keys <= window - 1 for _, keys in ring_calls)
+    monkeypatch.setattr(cache_module.SlidingLayerCache, "_in_place", lambda self, key, step: False)
+    copied = run()
+    assert in_place == copied

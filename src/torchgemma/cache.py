@@ -168,12 +168,17 @@ class RingKeys:
     row ``b`` reads sequence ``slots[b]`` at columns ``(offsets[b] + j) % ring``, j = 0..length-1
     (its ``length - 1`` past positions in order, then its new token). Attention backends that read
     rings in place take it as it is (``reads_rings``); ``gather`` gives the (B, Hkv, length, D)
-    tensor the others take."""
+    tensor the others take. A ring as long as the cache may be shorter than ``length``: the first
+    ``unheld`` keys are then positions before 0, never visible, and readers skip them."""
 
     buffer: torch.Tensor  # (slots, Hkv, ring, D)
     slots: torch.Tensor  # (B,) int64
     offsets: torch.Tensor  # (B,) int64
     length: int
+
+    @property
+    def unheld(self) -> int:
+        return max(0, self.length - self.buffer.shape[2])
 
     def gather(self) -> torch.Tensor:
         columns = (
@@ -198,7 +203,13 @@ class SlidingLayerCache:
         ``in_place``: a decode step's keys and values as ``RingKeys`` where the ring can hold them
         all (the new ones written first)."""
         if in_place and self._in_place(key, step):
-            self._store(key, value, step)
+            start = step.common_start
+            if start is None:
+                self._store(key, value, step)
+            else:  # every row's key to the same column: slices, no index tensors
+                column = slice(start % self.ring, start % self.ring + 1)
+                self.keys[step.row_slice, :, column] = key
+                self.values[step.row_slice, :, column] = value
             slots, offsets = step.ring_window(self.ring, self.keys.device)
             length = step.past.shape[1] + 1
             return RingKeys(self.keys, slots, offsets, length), RingKeys(self.values, slots, offsets, length)
@@ -231,14 +242,15 @@ class SlidingLayerCache:
 
     def _in_place(self, key: torch.Tensor, step: CacheStep) -> bool:
         """A decode step (one token per row, every row storing it, host-side starts known) whose
-        window fits the ring beside the new key."""
+        rows' keys fit the ring beside the new key: the whole window, or, in a ring as long as the
+        cache (shorter than the window), every position from 0 (``RingKeys.unheld``)."""
         return (
             key.shape[2] == 1
             and step.active is None
             and step.written is None
             and step.starts is not None
             and step.slots is not None
-            and step.past.shape[1] + 1 <= self.ring
+            and min(step.past.shape[1], max(step.starts)) + 1 <= self.ring
             and not torch.compiler.is_compiling()
         )
 

@@ -18,6 +18,8 @@ operators, and the towers keep theirs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -44,7 +46,7 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (Attributes read directly: this runs ~110 times per decoded token.)
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or not ensure_kernels():
+        if x.dtype is not torch.float32 or not x.is_cpu or not ensure_kernels():
             return super().forward(x)
         weight = self._parameters.get("weight")
         if weight is not None and weight.requires_grad and torch.is_grad_enabled():
@@ -99,8 +101,14 @@ def sdpa_with_decode_kernel(
             first, end = 0, key.length
             if inputs.key_slice is not None:
                 first, end, _ = inputs.key_slice.indices(key.length)
+            visible = None if mask is None else mask[:, 0, 0]
+            # Keys before position 0 that a ring as long as the cache does not hold: never visible.
+            skip = max(0, key.unheld - first)
+            if skip:
+                first += skip
+                visible = None if visible is None else visible[:, skip:]
             b, s = query.shape[0], end - first
-            visible = torch.ones(b, s, dtype=torch.bool) if mask is None else mask[:, 0, 0].expand(b, s)
+            visible = _all_visible(b, s) if visible is None else visible.expand(b, s)
             offsets = key.offsets + first if first else key.offsets
             return _DECODE_ATTENTION_RING(query, key.buffer, value.buffer, scale, visible, key.slots, offsets)
         if inputs.key_slice is not None:
@@ -110,6 +118,12 @@ def sdpa_with_decode_kernel(
     if rings:
         key, value = key.gather(), value.gather()
     return sdpa_backend(query, key, value, inputs, scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_visible(rows: int, keys: int) -> torch.Tensor:
+    """(rows, keys) True, made once per shape (the kernel only reads it): ~18 layers per step ask."""
+    return torch.ones(rows, keys, dtype=torch.bool)
 
 
 sdpa_with_decode_kernel.reads_rings = True  # Attention hands it a decode step's sliding keys as RingKeys

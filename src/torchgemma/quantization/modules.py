@@ -45,6 +45,9 @@ BOUNDED_ROWS = 3
 INT_BOUNDED_ROWS = 6
 
 
+_QLINEAR = torch.ops.torchgemma.qlinear.default
+
+
 @dataclass(frozen=True)
 class Format:
     """How one weight is stored: integer width, values per scale, whether groups have offsets, and
@@ -120,6 +123,11 @@ class QuantizedWeight(nn.Module):
         """x (..., K) -> x @ W.T (..., N), in the model's dtype."""
         # (The buffers read from _buffers: this runs ~130 times per decoded token.)
         buffers = self._buffers
+        if x.dtype is torch.float32 and x.numel() < DENSE_ROWS * x.shape[-1]:
+            # A decode step's float32 rows: _product's row kernel, called directly (what _product
+            # would call, with the same float32 result, for a few microseconds less per call).
+            f = self.format
+            return _QLINEAR(x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size)
         return self._product(x, buffers["qweight"], buffers["scales"], buffers["mins"])
 
     def _product(self, x: torch.Tensor, qweight, scales, mins) -> torch.Tensor:
