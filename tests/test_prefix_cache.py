@@ -22,6 +22,7 @@ from gemma3n_checkpoints import build as build_gemma3n
 from torchgemma import Engine, MediaInputs, SamplingParams
 from torchgemma.cli.common import report_speed
 from torchgemma.generation import GenerationStats, stream
+from torchgemma.generation.engine import DEFAULT_PREFILL_CHUNK
 from torchgemma.generation.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -401,20 +402,23 @@ def test_engine_checks(gen_checkpoints):
 
 def test_llm_chat_second_turn_reuses_the_conversation(llm_checkpoint):
     """LLM keeps one store across calls: the second turn of a chat reuses the first turn's prompt
-    (its whole 512-token chunks) and answers what a fresh LLM without a store answers."""
+    (its whole chunks of the engine's default ``prefill_chunk``) and answers what a fresh LLM without
+    a store answers."""
     from torchgemma import LLM
 
     llm = LLM(llm_checkpoint, dtype=torch.bfloat16, progress=False)
     assert llm.prefix_cache is not None and llm.prefix_cache.max_bytes == 2**30
-    long_text = " ".join(f"word{i % 50} is here" for i in range(80))
+    long_text = " ".join(f"word{i % 50} is here" for i in range(100))
     messages = [{"role": "user", "content": long_text}]
     first = llm.chat(messages, max_new_tokens=4, temperature=0)
     prompt_tokens = len(llm.chat_ids(messages))
-    assert prompt_tokens > 600, "the test needs a first prompt of more than one 512-token chunk"
+    chunk = DEFAULT_PREFILL_CHUNK
+    # 3 chunks and a part: 768 tokens reused where a 512-token grid (the old default) reused 512.
+    assert 3 * chunk < prompt_tokens < 4 * chunk, f"the test wants a prompt of 3-4 {chunk}-token chunks"
     messages += [first.message, {"role": "user", "content": "And then?"}]
     stats = GenerationStats()
     second = llm.chat(messages, max_new_tokens=6, temperature=0, stats=stats)
-    assert stats.cached_tokens == prompt_tokens // 512 * 512 and llm.prefix_cache.stats()["hits"] == 1
+    assert stats.cached_tokens == prompt_tokens // chunk * chunk and llm.prefix_cache.stats()["hits"] == 1
     line = io.StringIO()
     report_speed(stats, line)  # what chat --verbose prints after a turn
     assert f"({stats.cached_tokens} from the prefix cache) | decode" in line.getvalue()

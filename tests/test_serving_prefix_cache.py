@@ -11,6 +11,7 @@ a hundred tokens spans several chunks (reuse starts at chunk boundaries).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ import pytest
 
 from serving_fixtures import ScriptedEngine, running_server
 from torchgemma.cli import build_parser
+from torchgemma.generation.engine import DEFAULT_PREFILL_CHUNK
 from torchgemma.llm import LLM
 from torchgemma.serving.app import create_app
 from torchgemma.serving.chat import create_chat_completion
@@ -131,6 +133,10 @@ def test_chat_reports_cached_tokens_for_a_repeated_system_prompt(llm):
 def test_the_serve_flag(llm):
     parser = build_parser()
     assert parser.parse_args(["serve", "--model", "m"]).prefix_cache_gb == 1.0
+    # Reuse comes at multiples of the prefill chunk: the server reads 256 per pass unless told.
+    assert parser.parse_args(["serve", "--model", "m"]).prefill_chunk == DEFAULT_PREFILL_CHUNK == 256
+    for build in (ServerState.build, create_app):
+        assert inspect.signature(build).parameters["prefill_chunk"].default == DEFAULT_PREFILL_CHUNK
     assert parser.parse_args(["serve", "--model", "m", "--prefix-cache-gb", "0"]).prefix_cache_gb == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--prefix-cache-gb", "-1"])
