@@ -48,9 +48,9 @@ real 270M (GGUF blocks, 1 thread, thread CPU time, medians of 3, load average 3-
 1,551-token prompt with 16 greedy tokens in 3.60 s at C = 256, 3.93 s at 512, 3.88 s at 128 and
 4.14 s at 64, so the finer grid costs prefill nothing there; a request decoding meanwhile waits at
 most 0.65 s between tokens instead of 1.33 s (the long prompt's first token 3.68 s against 3.74);
-and ``benchmarks/bench_server.py``'s shared system prompt (1,531-1,535 tokens shared
-by two requests) is reused up to 1,280 tokens instead of 1,024 (the second request, 16 greedy
-tokens, took 29% of the first's time instead of 43%; 20% at C = 128, 16% at 64). A finer grid
+and where two requests of ``benchmarks/bench_server.py``'s shared-prefix workload share
+1,531-1,535 tokens (its worst case), 1,280 are reused instead of 1,024: the second request, 16
+greedy tokens, took 29% of the first's time instead of 43% (20% at C = 128, 16% at 64). A finer grid
 costs more forward calls per prompt (each quantized product dequantizes its weight once per call)
 and more interleaved decode steps before a long prompt's first token. ``block_size`` divides C;
 blocks finer than C make eviction finer (a chain loses its last blocks first).
