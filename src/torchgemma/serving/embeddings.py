@@ -20,6 +20,7 @@ from ..embedding_media import embed_inputs
 from .errors import APIError, bad_request
 from .limits import MediaBudget
 from .media import check_wav, data_url_bytes, decode_wav_upload, load_image, open_image
+from .openmp import released
 from .protocol import EmbeddingItem, EmbeddingRequest
 from .state import ServerState
 
@@ -57,7 +58,7 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest) -> dict:
         # Tokenizing, decoding and embedding off the event loop, one batch at a time; generation
         # keeps its own engine thread.
         async with state.embedding_lock:
-            counts, vectors = await asyncio.to_thread(_embed, state, head, texts, body)
+            counts, vectors = await asyncio.to_thread(released(_embed), state, head, texts, body)
     except ValueError as error:  # an unknown prompt_name, a text with no tokens, an id outside the vocabulary
         raise bad_request(str(error), "input") from error
     vectors = vectors.float().cpu()

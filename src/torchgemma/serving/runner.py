@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..generation.engine import Engine, StepOutput, TokenLogprobs
+from .openmp import release_openmp_workers
 
 
 class Busy(RuntimeError):
@@ -99,6 +100,9 @@ class EngineRunner:
         self._lock = threading.Lock()  # guards the in-flight count
         self._in_flight = 0
         self._closed = threading.Event()
+        # The engine thread runs the model from now on: this (loading) thread's OpenMP workers
+        # would otherwise keep the engine's from spinning between parallel regions (openmp.py).
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="torchgemma-engine", daemon=True)
         self._thread.start()
 

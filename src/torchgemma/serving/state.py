@@ -23,6 +23,7 @@ from ..version import __version__
 from .errors import APIError, bad_request
 from .limits import Limits
 from .metrics import Metrics
+from .openmp import released
 from .runner import EngineRunner
 
 T = TypeVar("T")
@@ -209,7 +210,7 @@ class ServerState:
             )
         self._preparing += 1  # only the event loop's thread counts
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, released(work), *args)
         finally:
             self._preparing -= 1
 
