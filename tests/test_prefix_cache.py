@@ -465,3 +465,19 @@ def test_real_270m_repeated_prefix(real_270m_file):
     with_store = run(PrefixCache(1 << 30))
     assert without_cached(with_store) == without_cached(run(None))
     assert cached(with_store) == {"a": 0, "b": 1024}
+
+
+def test_default_prefill_chunk_follows_how_quantized_products_prefill():
+    """256 tokens per pass, but 512 where a quantized product dequantizes its weight each pass
+    (float activations); integer activations and float models keep 256."""
+    from torch import nn
+
+    from torchgemma.generation.engine import DEQUANTIZING_PREFILL_CHUNK, default_prefill_chunk
+    from torchgemma.quantization.modules import Format, QuantizedLinear
+    from torchgemma.quantization.transform import set_activations
+
+    assert default_prefill_chunk(nn.Sequential(nn.Linear(64, 64))) == DEFAULT_PREFILL_CHUNK == 256
+    model = nn.Sequential(QuantizedLinear(64, 64, Format(4, 32, has_mins=True)))
+    model[0].set_weight(torch.randn(64, 64))
+    assert default_prefill_chunk(set_activations(model, None)) == DEQUANTIZING_PREFILL_CHUNK == 512
+    assert default_prefill_chunk(set_activations(model, "int16")) == 256

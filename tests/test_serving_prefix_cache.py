@@ -133,10 +133,15 @@ def test_chat_reports_cached_tokens_for_a_repeated_system_prompt(llm):
 def test_the_serve_flag(llm):
     parser = build_parser()
     assert parser.parse_args(["serve", "--model", "m"]).prefix_cache_gb == 1.0
-    # Reuse comes at multiples of the prefill chunk: the server reads 256 per pass unless told.
-    assert parser.parse_args(["serve", "--model", "m"]).prefill_chunk == DEFAULT_PREFILL_CHUNK == 256
+    # Reuse comes at multiples of the prefill chunk: unless told, the engine picks it for the model.
+    assert parser.parse_args(["serve", "--model", "m"]).prefill_chunk is None
     for build in (ServerState.build, create_app):
-        assert inspect.signature(build).parameters["prefill_chunk"].default == DEFAULT_PREFILL_CHUNK
+        assert inspect.signature(build).parameters["prefill_chunk"].default is None
+    state = ServerState.build(llm, model_name="m")
+    try:
+        assert state.runner.engine.prefill_chunk == DEFAULT_PREFILL_CHUNK == 256  # a float model
+    finally:
+        state.close()
     assert parser.parse_args(["serve", "--model", "m", "--prefix-cache-gb", "0"]).prefix_cache_gb == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--prefix-cache-gb", "-1"])

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..generation.engine import DEFAULT_PREFILL_CHUNK
+from ..generation.engine import DEFAULT_PREFILL_CHUNK, DEQUANTIZING_PREFILL_CHUNK
 from .chat import read_template
 from .common import CLIError, importable, load_llm, prepare
 from .options import add_model_flags, add_parallel_flags, add_speculative_flags, float_where, int_at_least
@@ -63,11 +63,13 @@ def add_parser(commands) -> None:
     serve.add_argument(
         "--prefill-chunk",
         type=int_at_least(1),
-        default=DEFAULT_PREFILL_CHUNK,
+        default=None,
         metavar="N",
         help="prompt tokens read per forward pass (a long prompt takes several, interleaved with the "
         "other requests' decode steps); the prefix cache reuses whole chunks, so a smaller chunk "
-        f"reuses more of a shared beginning (default: {DEFAULT_PREFILL_CHUNK})",
+        f"reuses more of a shared beginning (default: {DEFAULT_PREFILL_CHUNK}, or "
+        f"{DEQUANTIZING_PREFILL_CHUNK} where quantized products dequantize their weights each pass: "
+        "GGUF and int4/int8 models on a CPU without AVX-512 VNNI)",
     )
     serve.add_argument(
         "--api-key",

@@ -28,7 +28,7 @@ from ..model.inputs import MediaInputs
 from ..model.multimodal import vision_block_ids
 from .config import GenerationConfig
 from .constraints import Grammar
-from .engine import DEFAULT_PREFILL_CHUNK, EmbeddedPrompt, Engine, StepOutput
+from .engine import EmbeddedPrompt, Engine, StepOutput
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 
@@ -106,7 +106,7 @@ def stream(
     generation_config: GenerationConfig | Mapping[str, Any] | None = None,
     cache: KVCache | None = None,
     stats: GenerationStats | None = None,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     prefix_cache: PrefixCache | None = None,
     constraint: Grammar | None = None,
     speculative: Any = None,

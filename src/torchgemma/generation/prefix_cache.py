@@ -55,8 +55,10 @@ costs more forward calls per prompt, and each quantized product of 32 rows or mo
 weight once per call: the products alone (a Q4 weight with offsets, 1 thread, thread CPU time) cost
 per row 1.02 / 1.48 / 2.41 ms at 512 / 256 / 128 rows for 2560 x 10240 (a 4B model's MLP width),
 0.048 / 0.061 / 0.103 ms for the 270M's 640 x 2048: the 270M's prefill hides that behind its
-attention, a wider quantized model would not (there, ``prefill_chunk=512`` prefills faster and
-reuses coarser). ``block_size`` divides C;
+attention, a wider quantized model would not. With integer activations (AVX-512 VNNI's default) the
+products do not dequantize and cost the same per row at 256 and 512 (0.298 / 0.294 ms for 2560 x
+10240), so the engine's default (``default_prefill_chunk``) is 256 except for a model whose quantized
+products take float activations: 512 there, prefilling faster and reusing coarser. ``block_size`` divides C;
 blocks finer than C make eviction finer (a chain loses its last blocks first).
 
 Reusing at block boundaries finer than C stays out: it would need every product and the attention

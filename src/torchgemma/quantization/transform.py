@@ -192,3 +192,10 @@ def record(mode: str, chosen: dict[str, Format], kept: dict[str, str]) -> dict:
 
 def model_device(model: nn.Module) -> torch.device:
     return getattr(model, "device", None) or next(model.buffers()).device
+
+
+def dequantizes_per_pass(model: nn.Module) -> bool:
+    """Whether some quantized product of ``model`` takes float activations in a prefill (no
+    ``set_activations`` integers): those dequantize their weight once per forward pass, so fewer
+    rows per pass pay that more often."""
+    return any(isinstance(m, QuantizedWeight) and not m.activation_bits for m in model.modules())

@@ -30,7 +30,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..generation.engine import DEFAULT_PREFILL_CHUNK, Engine
+from ..generation.engine import Engine
 from ..llm import LLM
 from ..version import __version__
 from .audio import create_transcription, no_audio_tower
@@ -56,7 +56,7 @@ def create_app(
     max_len: int = 4096,
     max_waiting: int = 64,
     api_key: str | None = None,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     engine: Engine | None = None,
     limits: Limits | None = None,
     allowed_hosts: Sequence[str] | None = None,

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..generation.engine import DEFAULT_PREFILL_CHUNK, Engine
+from ..generation.engine import Engine
 from ..generation.prefix_cache import prefix_cache_of
 from ..llm import LLM
 from ..tokenizer import UnknownTokenError
@@ -92,7 +92,7 @@ class ServerState:
         max_len: int = 4096,
         max_waiting: int = 64,
         api_key: str | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
         engine: Engine | None = None,
         limits: Limits | None = None,
         prefix_cache_gb: float = 1.0,
