@@ -15,8 +15,8 @@ Two steps, around loading:
   - mixture of experts (26B-A4B): the dense MLP and the experts each end in their own norm
     (``post_feedforward_layernorm_1`` / ``_2``) before they are added, and an RMSNorm of a partial
     sum is not the partial of the norm: the two are reduced separately, two all-reduces in an MoE
-    layer (what transformers' plan does too). The experts (``ExpertShard``) reduce in float32,
-    before the single rounding the reference makes;
+    layer (what transformers' plan does too). The experts (``ExpertShard``) reduce each routed
+    pair's down output in float32, then round and combine the K of a token as one device does;
   - token table (and PLE table): each rank looks up the ids in its rows, zeros for the others, and
     an all-reduce sums them (adding zeros is exact: the same bits as one table);
   - LM head: each rank's logits for its rows, all-gathered (``logits``) or reduced to a greedy
@@ -186,16 +186,18 @@ class VocabShardHead(VocabShard):
 class ExpertShard(Experts):
     """A rank's experts: whole experts ``[first, end)`` (expert parallelism), or every expert's
     slice of intermediate features (``sliced``: tensor parallelism). Each rank computes the (token,
-    slot) pairs routed to the experts it holds, where their weights are, and the ranks' weighted
-    sums are reduced; nothing else moves (no all-to-all: every rank holds every token, since the
-    layers around are tensor parallel and their outputs replicated).
+    slot) pairs routed to the experts it holds, where their weights are; nothing else moves (no
+    all-to-all: every rank holds every token, since the layers around are tensor parallel and their
+    outputs replicated).
 
-    ``"grouped_mm"`` sums a token's K weighted outputs in float32 and rounds once; here each rank
-    sums its part in float32, the parts are all-reduced in float32, and the sum is rounded once.
-    Whole experts make one device's products (only the order of float32 additions differs); a
-    slice's down product is a float32 part of the row's sum (in bf16 the slice is widened for it).
-    ``"eager"`` rounds each expert's weighted output to the model dtype and sums in ascending
-    expert id per rank, then across ranks (in the model dtype).
+    What is reduced is each (token, slot) pair's down output, unweighted, in float32: a slice's
+    down product is a float32 part of the pair's sum (in bf16 the slice is widened for it), whole
+    experts give the pair's whole output on one rank and zeros on the others (exact). The sum is
+    rounded to the model dtype, as one device's product is, and from there the K outputs are
+    weighted and combined as ``Experts`` does on one device (``"grouped_mm"``: in float32, rounded
+    once; ``"eager"``: each rounded, added in ascending expert id). Whole experts thus give one
+    device's bits; a slice differs only by the order of its down product's float32 sum. The cost:
+    the reduced tensor is K times a dense layer's, (tokens x K, hidden).
     """
 
     def __init__(self, config, first: int, end: int, implementation: str, sliced: bool = False):
@@ -217,23 +219,23 @@ class ExpertShard(Experts):
         pairs = pairs[order]
         ids, counts = torch.unique_consecutive(local, return_counts=True)
         starts = [0, *torch.cumsum(counts, 0).tolist()]
-        eager = self.implementation == "eager"
-        dtype = x.dtype if eager else torch.promote_types(x.dtype, weights.dtype)
-        out = torch.zeros(n, x.shape[-1], dtype=dtype, device=x.device)
-        weighted_rows = torch.zeros(n * k, x.shape[-1], dtype=dtype, device=x.device)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        outputs = torch.zeros(n * k, x.shape[-1], dtype=wide, device=x.device)  # each pair's down output
         for expert, a, b in zip(ids.tolist(), starts, starts[1:]):
             rows = pairs[a:b]
             gate, up = expert_linear(self.gate_up_proj, expert, x[rows // k]).chunk(2, dim=-1)
-            y = self.down(expert, gelu_tanh(gate) * up)
-            y = y * weights.reshape(-1)[rows, None]
-            if eager:  # rounded and added expert by expert, in ascending id
-                out.index_add_(0, rows // k, y.to(dtype))
-            else:
-                weighted_rows[rows] = y.to(dtype)
-        if not eager:
-            out = weighted_rows.view(n, k, -1).sum(dim=1)
-        dist.all_reduce(out, group=self.group)
-        return out.to(x.dtype)
+            outputs[rows] = self.down(expert, gelu_tanh(gate) * up).to(wide)
+        dist.all_reduce(outputs, group=self.group)
+        outputs = outputs.to(x.dtype).view(n, k, -1)  # rounded as one device's product
+        if self.implementation == "eager":  # each weighted output rounded, added in ascending id
+            experts, order = experts.sort(dim=-1)
+            weights = weights.gather(-1, order)
+            outputs = outputs.gather(1, order[..., None].expand_as(outputs))
+            out = torch.zeros_like(x)
+            for slot in range(k):
+                out = out + (outputs[:, slot] * weights[:, slot, None]).to(x.dtype)
+            return out
+        return (outputs * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 def shard_source(source: list[tuple], plan: ShardPlan, module_path) -> list[tuple]:
