@@ -2,9 +2,17 @@
 tiny random checkpoints of every Gemma 4 style, against one process.
 
 fp32 logits: TP sums each row-parallel product (o_proj, down_proj, expert down) in another order than
-one device does, so its logits are within one process's own rounding distance, not to the bit: the
-bound is twice one process's distance to a float64 run (measured: one process is 1e-5..6e-5 from
-float64 on these models, whose logits reach the 30 soft-cap). Greedy tokens must be identical.
+one device's kernel does, so its logits are within one process's own rounding distance, not to the
+bit. These models amplify rounding: their logits are of magnitude ~2, yet one process is 0.8e-5 to
+6.4e-5 from a float64 run (relative 4e-6..4e-5), above the issue's 1e-5, so the bounds are relative to
+that: the ranks' logits within 1.5x one process's distance to float64, both of one process and of
+float64 (measured: at most 1.25x and 1.38x). Greedy tokens identical.
+
+bf16: within 3 units in the last place of the largest logit (measured: at most 2.6), and greedy tokens
+identical, or parting only where one process's own top two logits are within 4 units (a near-tie
+that a different rounding order decides either way; measured: the E4B-like model at step 7 of a row,
+2 units apart, the 31B-like at 4 ranks at step 11, 3 units apart). Expert parallelism: bf16 logits
+and tokens equal to the bit.
 """
 
 import contextlib
@@ -23,44 +31,82 @@ from safetensors.torch import load_file
 import torchgemma
 from distributed_fixtures import Ranks, free_port, kill, rank_env, run_command
 from torchgemma.distributed import ParallelError, ShardPlan, build_sharded
-from tp_worker import engine_batch, logits_and_tokens, routed_experts, seed_of
+from tp_worker import NEW_TOKENS, engine_batch, logits_and_tokens, routed_experts, seed_of
 
 STYLES = ["e2b", "e4b", "26b", "31b"]
 
 
-def one_process(folders: dict, dtype) -> dict[str, dict[str, torch.Tensor]]:
-    """Each checkpoint's logits and tokens in one process, and (fp32) its float64 logits."""
+def one_process(folders: dict, dtype) -> dict[str, dict]:
+    """Each checkpoint's logits and tokens in one process, the model (for near-ties), and (fp32)
+    its float64 logits."""
     refs = {}
     for name, folder in folders.items():
-        refs[name] = logits_and_tokens(torchgemma.load(folder, dtype=dtype), seed_of(name))
+        model = torchgemma.load(folder, dtype=dtype)
+        refs[name] = {**logits_and_tokens(model, seed_of(name)), "model": model}
         if dtype == torch.float32:
             exact = torchgemma.load(folder, dtype=torch.float64)
             refs[name]["exact"] = logits_and_tokens(exact, seed_of(name), tokens=False)["logits"]
     return refs
 
 
-def check_against_one_process(got: dict, refs: dict) -> None:
-    for name, ref in refs.items():
-        if "exact" not in ref:  # bf16: see test_bf16_logits_stay_within_rounding_of_one_process
-            top = ref["logits"].abs().max().item()
-            ulp = 2.0 ** (math.floor(math.log2(top)) - 7)
-            drift = (got[f"{name}.logits"] - ref["logits"]).abs().max().item()
-            assert drift <= 4 * ulp, f"{name}: bf16 logits {drift} from one process ({drift / ulp:.1f} units)"
+def _units(logits: torch.Tensor) -> float:
+    """One bf16 unit in the last place of the largest logit."""
+    return 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+
+
+def assert_same_tokens_or_near_tie(model, got: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    """Greedy rows (prompt + new tokens) equal, or parting at a token where one process's own logits
+    (a full forward of the common prefix) put the two choices within 4 bf16 units."""
+    width = ref.shape[1] - NEW_TOKENS
+    for row in range(ref.shape[0]):
+        parted = torch.nonzero(got[row] != ref[row])
+        if not len(parted):
             continue
-        assert torch.equal(got[f"{name}.tokens"], ref["tokens"]), name
-        if "exact" in ref:
-            own = (ref["logits"].double() - ref["exact"]).abs().max().item()
-            drift = (got[f"{name}.logits"] - ref["logits"]).abs().max().item()
-            assert drift <= max(2 * own, 1e-5), (
-                f"{name}: {drift} from one process, which is {own} from float64"
-            )
+        at = int(parted[0])
+        assert at >= width, f"{name}: row {row}'s prompt differs"
+        prefix = ref[row, :at]
+        real = torch.cat([prefix[:width] != 0, torch.ones(at - width, dtype=torch.bool)])
+        with torch.no_grad():
+            logits = model(prefix[real][None])[0, -1].float()
+        gap = (logits[ref[row, at]] - logits[got[row, at]]).abs().item()
+        assert gap <= 4 * _units(logits), (
+            f"{name}: row {row} parts at step {at - width} where one process's logits are "
+            f"{gap / _units(logits):.1f} units apart"
+        )
 
 
-def compare(tmp_path, size: int, folders: dict, dtype: str, *extra: str, tasks: str = "logits") -> dict:
+def check_against_one_process(got: dict, refs: dict, exact_bf16: bool = False) -> None:
+    for name, ref in refs.items():
+        logits, tokens = got[f"{name}.logits"], got[f"{name}.tokens"]
+        if "exact" not in ref:  # bf16
+            if exact_bf16:
+                assert torch.equal(logits, ref["logits"]) and torch.equal(tokens, ref["tokens"]), name
+            drift = (logits - ref["logits"]).abs().max().item() / _units(ref["logits"])
+            assert drift <= 3, f"{name}: bf16 logits {drift:.1f} units from one process"
+            assert_same_tokens_or_near_tie(ref["model"], tokens, ref["tokens"], name)
+            continue
+        assert torch.equal(tokens, ref["tokens"]), name
+        own = (ref["logits"].double() - ref["exact"]).abs().max().item()
+        drift = (logits - ref["logits"]).abs().max().item()
+        error = (logits.double() - ref["exact"]).abs().max().item()
+        scale = ref["logits"].abs().max().item()
+        report = f"{name}: {drift:.2e} from one process (relative {drift / scale:.1e}), {error:.2e} from float64; one process is {own:.2e} from float64"
+        assert drift <= 1.5 * own and error <= 1.5 * own, report
+
+
+def compare(
+    tmp_path,
+    size: int,
+    folders: dict,
+    dtype: str,
+    *extra: str,
+    tasks: str = "logits",
+    exact_bf16: bool = False,
+) -> dict:
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     with Ranks(tmp_path, size, _args(folders, tasks, "--dtype", dtype, *extra), timeout=300) as ranks:
         refs = one_process(folders, torch_dtype)  # while the ranks run
-        check_against_one_process(got := ranks.results(), refs)
+        check_against_one_process(got := ranks.results(), refs, exact_bf16)
     return got
 
 
@@ -86,27 +132,27 @@ def test_ranks_match_one_process(gen_checkpoints, tmp_path, one_thread, size):
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 def test_bf16_logits_stay_within_rounding_of_one_process(gen_checkpoints, tmp_path, one_thread, size):
-    """bf16, the dense styles: within 4 units in the last place of the largest logit (measured: up
-    to 2.6). Not to the bit, and greedy tokens not always the same: one device sums each o_proj /
-    down_proj row in one bf16 kernel, the ranks sum float32 parts in another order; on these tiny
-    models, whose top logits are often near ties, the tokens part after a few steps (e4b at 2 and
-    4 ranks, 31b at 4). Tensor-parallel experts (26B) are reduced in bf16: see the expert test."""
-    compare(tmp_path, size, {s: gen_checkpoints[s] for s in ("e2b", "e4b", "31b")}, "bf16")
+    """bf16, every style (26B: tensor-parallel experts): see the module docstring. Not to the bit:
+    one device sums each o_proj / down_proj / expert down row in one bf16 kernel call (float32
+    accumulators, in the kernel's order) and rounds once; each rank sums its float32 part, the parts
+    are all-reduced in float32 (gloo's order) and rounded once: the two float32 sums differ in their
+    last bits, and now and then straddle a bf16 rounding boundary."""
+    compare(tmp_path, size, {s: gen_checkpoints[s] for s in STYLES}, "bf16")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_expert_parallel_matches_one_process(gen_checkpoints, tmp_path, one_thread, size, dtype):
-    """Whole experts per rank, reduced in float32: bf16 logits within rounding (measured: equal to
-    the bit at 2 ranks), where tensor-parallel experts, reduced in bf16, moved them by 0.55."""
-    compare(tmp_path, size, {"26b": gen_checkpoints["26b"]}, dtype, "--expert-parallel")
+    """Whole experts per rank, the ranks' weighted sums reduced in float32: bf16 logits and tokens
+    equal to the bit (measured at 2 and 4 ranks)."""
+    compare(tmp_path, size, {"26b": gen_checkpoints["26b"]}, dtype, "--expert-parallel", exact_bf16=True)
 
 
 def all_to_all_against_one_process(tmp_path, folder, size: int, dtype: str, tasks: str) -> None:
     """``tasks`` (logits, and engine, experts) of the 26B-like model on ``size`` ranks whose experts
     are fed by all-to-all, against one process: logits as ``check_against_one_process`` (fp32: within
-    rounding; bf16: within 4 units), greedy tokens and the engine's tokens identical, and the
+    rounding; bf16: within 3 units), greedy tokens and the engine's tokens identical, and the
     experts' outputs equal to the bit (``routed_experts``: a rank owning no token, a rank receiving
     no pair, both implementations)."""
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16

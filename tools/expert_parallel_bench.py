@@ -28,8 +28,8 @@ LAYERS, HIDDEN, TOP_K = 30, 2816, 8  # gemma4-transformers-5.23.md, 1.1: every l
 
 def sent_bytes(n: int, size: int, row: int = 2, partial: int = 4) -> dict[str, float]:
     """Bytes one rank sends per step (n rows) in the experts' exchange, on average over ranks and
-    with uniform routing: a ring all-reduce of n x H float32 partial sums (TP and EP all-reduce:
-    both reduce in float32 before the one rounding) sends 2 (N-1)/N of it; all-to-all sends its
+    with uniform routing: a ring all-reduce of n x H float32 partial sums (EP all-reduce) sends
+    2 (N-1)/N of it, of n x K x H (TP experts: each pair's float32 part of its down output); all-to-all sends its
     n/N tokens' K rows (bf16) to other ranks' experts ((N-1)/N of them), as many outputs back, then
     an all-gather of its n/N summed rows to the N-1 others."""
     reduce = 2 * (size - 1) / size * n * HIDDEN * partial
@@ -37,6 +37,7 @@ def sent_bytes(n: int, size: int, row: int = 2, partial: int = 4) -> dict[str, f
     gather = (size - 1) / size * n * HIDDEN * row
     return {
         "all-reduce": LAYERS * reduce,
+        "TP experts": LAYERS * reduce * TOP_K,
         "all-to-all": LAYERS * (2 * dispatch + gather),
         "(no dispatch)": LAYERS * (dispatch + gather),
     }

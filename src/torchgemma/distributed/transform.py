@@ -15,8 +15,9 @@ Two steps, around loading:
   - mixture of experts (26B-A4B): the dense MLP and the experts each end in their own norm
     (``post_feedforward_layernorm_1`` / ``_2``) before they are added, and an RMSNorm of a partial
     sum is not the partial of the norm: the two are reduced separately, two all-reduces in an MoE
-    layer (what transformers' plan does too). The experts (``ExpertShard``) reduce in float32,
-    before the single rounding the reference makes;
+    layer (what transformers' plan does too). Tensor-parallel experts (``ExpertShard``) reduce each
+    routed pair's down output in float32, then round and combine the K of a token as one device
+    does; whole experts reduce the ranks' weighted sums;
   - token table (and PLE table): each rank looks up the ids in its rows, zeros for the others, and
     an all-reduce sums them (adding zeros is exact: the same bits as one table);
   - LM head: each rank's logits for its rows, all-gathered (``logits``) or reduced to a greedy
@@ -186,16 +187,22 @@ class VocabShardHead(VocabShard):
 class ExpertShard(Experts):
     """A rank's experts: whole experts ``[first, end)`` (expert parallelism), or every expert's
     slice of intermediate features (``sliced``: tensor parallelism). Each rank computes the (token,
-    slot) pairs routed to the experts it holds, where their weights are, and the ranks' weighted
-    sums are reduced; nothing else moves (no all-to-all: every rank holds every token, since the
-    layers around are tensor parallel and their outputs replicated).
+    slot) pairs routed to the experts it holds, where their weights are; nothing else moves (no
+    all-to-all: every rank holds every token, since the layers around are tensor parallel and their
+    outputs replicated).
 
-    ``"grouped_mm"`` sums a token's K weighted outputs in float32 and rounds once; here each rank
-    sums its part in float32, the parts are all-reduced in float32, and the sum is rounded once.
-    Whole experts make one device's products (only the order of float32 additions differs); a
-    slice's down product is a float32 part of the row's sum (in bf16 the slice is widened for it).
-    ``"eager"`` rounds each expert's weighted output to the model dtype and sums in ascending
-    expert id per rank, then across ranks (in the model dtype).
+    Whole experts: each rank weights and sums its pairs' outputs in float32 (``"grouped_mm"``; its
+    K of a token in slot order) or rounds each and adds them in ascending expert id (``"eager"``),
+    and the ranks' sums are all-reduced (in float32, or the model dtype for ``"eager"``) and rounded
+    once: one device's products, summed in another order.
+
+    A slice of features: a pair's down product is only a float32 part of its sum, and one device
+    rounds that sum to the model dtype before weighting it, so what is all-reduced is each pair's
+    part, unweighted, in float32 (K rows per token: K times the bytes of a rank's sums); the sum is
+    rounded as one device's product is, and the K of a token weighted and combined as ``Experts``
+    combines them. Only the order of the down product's float32 sum differs from one device (in
+    bf16 this moved the 26B-like model's logits by 1 unit, where reducing the ranks' weighted sums
+    moved them by 0.55).
     """
 
     def __init__(self, config, first: int, end: int, implementation: str, sliced: bool = False):
@@ -218,22 +225,39 @@ class ExpertShard(Experts):
         ids, counts = torch.unique_consecutive(local, return_counts=True)
         starts = [0, *torch.cumsum(counts, 0).tolist()]
         eager = self.implementation == "eager"
-        dtype = x.dtype if eager else torch.promote_types(x.dtype, weights.dtype)
-        out = torch.zeros(n, x.shape[-1], dtype=dtype, device=x.device)
-        weighted_rows = torch.zeros(n * k, x.shape[-1], dtype=dtype, device=x.device)
+        wide = torch.promote_types(x.dtype, weights.dtype)
+        # Each pair's down output (sliced: its float32 part), or (whole experts) weighted.
+        outputs = torch.zeros(n * k, x.shape[-1], dtype=wide, device=x.device)
+        out = torch.zeros_like(x)  # whole experts, "eager": rounded and added in ascending id
         for expert, a, b in zip(ids.tolist(), starts, starts[1:]):
             rows = pairs[a:b]
             gate, up = expert_linear(self.gate_up_proj, expert, x[rows // k]).chunk(2, dim=-1)
             y = self.down(expert, gelu_tanh(gate) * up)
-            y = y * weights.reshape(-1)[rows, None]
-            if eager:  # rounded and added expert by expert, in ascending id
-                out.index_add_(0, rows // k, y.to(dtype))
+            if self.sliced:
+                outputs[rows] = y.to(wide)
+            elif eager:
+                out.index_add_(0, rows // k, (y * weights.reshape(-1)[rows, None]).to(x.dtype))
             else:
-                weighted_rows[rows] = y.to(dtype)
-        if not eager:
-            out = weighted_rows.view(n, k, -1).sum(dim=1)
+                outputs[rows] = y * weights.reshape(-1)[rows, None]
+        if self.sliced:
+            dist.all_reduce(outputs, group=self.group)
+            return self.combine(outputs.to(x.dtype).view(n, k, -1), weights, experts)
+        out = out if eager else outputs.view(n, k, -1).sum(dim=1)
         dist.all_reduce(out, group=self.group)
         return out.to(x.dtype)
+
+    def combine(self, outputs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """(N, K, H) expert outputs, as one device rounds them, weighted and combined as one
+        device combines them (``Experts``)."""
+        if self.implementation == "eager":  # each weighted output rounded, added in ascending id
+            experts, order = experts.sort(dim=-1)
+            weights = weights.gather(-1, order)
+            outputs = outputs.gather(1, order[..., None].expand_as(outputs))
+            out = torch.zeros_like(outputs[:, 0])
+            for slot in range(outputs.shape[1]):
+                out = out + (outputs[:, slot] * weights[:, slot, None]).to(out.dtype)
+            return out
+        return (outputs * weights[..., None]).sum(dim=1).to(outputs.dtype)
 
 
 def shard_source(source: list[tuple], plan: ShardPlan, module_path) -> list[tuple]:
