@@ -145,3 +145,19 @@ def start(
                 )
             )
     return procs, logs
+
+
+def wait_healthy(port: int, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Wait until the server on ``port`` answers /health; fail with its log's end if it exits first
+    or is not up within ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)

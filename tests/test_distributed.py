@@ -20,7 +20,6 @@ import math
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchgemma
-from distributed_fixtures import Ranks, free_port, kill, rank_env, run_command
+from distributed_fixtures import Ranks, free_port, kill, rank_env, run_command, wait_healthy
 from torchgemma.distributed import ParallelError, ShardPlan, build_sharded
 from tp_worker import NEW_TOKENS, engine_batch, logits_and_tokens, routed_experts, seed_of
 
@@ -338,15 +337,7 @@ def test_server_under_torchrun_answers_as_one_process(llm_checkpoint, tmp_path):
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
+        wait_healthy(port, process, log)
         prompts = ["Hello there", "The cat sat"]
         body = dict(model="m", temperature=0, max_tokens=8)
         served = [

@@ -17,14 +17,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from distributed_fixtures import Ranks, free_port, kill, rank_env
+from distributed_fixtures import Ranks, free_port, kill, rank_env, wait_healthy
 from tp_media_worker import SCHEMA, run
 
 REASONS = ["stop", "length", "error"]
@@ -92,15 +91,7 @@ def torchrun_server(folder, tmp_path, size: int):
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
+        wait_healthy(port, process, log)
         yield f"http://127.0.0.1:{port}"
     finally:
         process.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks
