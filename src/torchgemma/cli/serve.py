@@ -69,7 +69,7 @@ def add_parser(commands) -> None:
         "other requests' decode steps); the prefix cache reuses whole chunks, so a smaller chunk "
         f"reuses more of a shared beginning (default: {DEFAULT_PREFILL_CHUNK}, or "
         f"{DEQUANTIZING_PREFILL_CHUNK} where quantized products dequantize their weights each pass: "
-        "GGUF and int4/int8 models on a CPU without AVX-512 VNNI)",
+        "GGUF and int4/int8 models with float activations: --activations float, a CPU without AVX-512 VNNI, a GPU)",
     )
     serve.add_argument(
         "--api-key",
