@@ -121,3 +121,12 @@ def test_chat_media_come_from_the_content_items(media_processor):
     assert torch.equal(prompt.media.pixel_values, expected.media.pixel_values)
     with pytest.raises(ValueError, match="1 image placeholder"):
         media_processor.process(ids, images=[image(3), image(4)])
+
+
+def test_placeholder_is_the_token_the_prompt_expands(media_processor):
+    """Gemma 4's placeholders are the tokenizer's image/audio/video tokens; other kinds are refused."""
+    tokenizer = media_processor.tokenizer
+    assert media_processor.placeholder("image") == tokenizer.id_to_token(tokenizer.image_id) == "<|image|>"
+    assert media_processor.placeholder("audio") == tokenizer.id_to_token(tokenizer.audio_id)
+    with pytest.raises(ValueError, match="kind must be 'image', 'audio' or 'video', got 'pdf'"):
+        media_processor.placeholder("pdf")

@@ -85,16 +85,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = load_llm(args)
     load_seconds = time.perf_counter() - start
-    config = llm.model.config
-    if config.gemma3n_audio is not None:
-        # Gemma 3n's tokenizer spells its placeholders its own way (<audio_soft_token>, <image_soft_token>).
-        spell = llm.tokenizer.backend.id_to_token
-        prompt = prompt.replace(AUDIO_PLACEHOLDER, spell(llm.tokenizer.audio_id)) if args.audio else prompt
-        prompt = prompt.replace(IMAGE_PLACEHOLDER, spell(llm.tokenizer.image_id)) if args.image else prompt
-    if args.image and config.siglip_vision is not None:  # Gemma 3's is <start_of_image>
-        prompt = prompt.replace(
-            IMAGE_PLACEHOLDER, llm.tokenizer.id_to_token(config.token_ids["boi_token_id"])
-        )
+    for kind, files, generic in (
+        ("image", args.image, IMAGE_PLACEHOLDER),
+        ("audio", args.audio, AUDIO_PLACEHOLDER),
+    ):
+        if files:  # the checkpoint's own spelling (Gemma 3's <start_of_image>, Gemma 3n's soft tokens)
+            prompt = prompt.replace(generic, llm.processor.placeholder(kind))
     stats = GenerationStats()
     options = dict(images=args.image, audio=args.audio, videos=args.video)
     options.update(max_new_tokens=args.max_new_tokens, stats=stats, sampling=sampling_params(args, llm))

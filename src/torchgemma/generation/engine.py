@@ -57,7 +57,8 @@ from .verify import speculative_decode
 
 # 256: the prefix cache reuses prompts at multiples of the chunk, and a pass of 256 rows is as fast per
 # row as one of 512 (prefix_cache.py), except where quantized products dequantize their weights once
-# per pass (float activations: the CPUs without AVX-512 VNNI): there 512 (default_prefill_chunk).
+# per pass (float activations: --activations float, CPUs without AVX-512 VNNI, GPUs): there 512
+# (default_prefill_chunk).
 DEFAULT_PREFILL_CHUNK = 256
 DEQUANTIZING_PREFILL_CHUNK = 512
 

@@ -455,6 +455,19 @@ class Processor:
         types = [[int(token == image_id) for token in row] for row in rows]
         return ExpandedRows(rows, types, {"pixel_values": processed["pixel_values"]})
 
+    def placeholder(self, kind: str) -> str:
+        """The text that stands for one ``"image"``, ``"audio"`` clip or ``"video"`` in this
+        checkpoint's prompts: Gemma 4's ``<|image|>`` / ``<|audio|>`` / ``<|video|>``, Gemma 3's
+        ``<start_of_image>``, Gemma 3n's own soft-token spellings."""
+        if kind not in ("image", "audio", "video"):
+            raise ValueError(f"placeholder: kind must be 'image', 'audio' or 'video', got {kind!r}")
+        config, tokenizer = self.config, self.tokenizer
+        if config.siglip_vision is not None and kind == "image":  # Gemma 3: the image's start
+            return tokenizer.id_to_token(config.token_ids["boi_token_id"])
+        if config.gemma3n_audio is not None and kind != "video":
+            return tokenizer.id_to_token(tokenizer.audio_id if kind == "audio" else tokenizer.image_id)
+        return f"<|{kind}|>"
+
     def _media_tokens(self, images: list, audio: list, videos: list) -> MediaTokens:
         """The placeholder ids, after checking the checkpoint has the towers for these media."""
         config = self.config
