@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..embedding import embed_token_ids, token_counts
 from ..embedding_media import embed_inputs
@@ -91,30 +91,39 @@ def check_media_items(state: ServerState, items: list) -> None:
             budget.count(f"input.{index}")
 
 
+class _CheckedItem(NamedTuple):
+    """An input item whose media headers passed the limits, not yet decoded."""
+
+    text: str | None
+    images: list  # opened images
+    clips: list[bytes]  # WAV files
+    at: str  # where the item is in the request ("input.3")
+
+
 def decoded_items(state: ServerState, items: list) -> list:
     """The inputs as ``LLM.embed`` takes them: every image's and clip's header checked against the
     server's limits, then all decoded."""
     budget = MediaBudget(state.limits)
-    opened = []
+    checked = []
     for index, item in enumerate(items):
         if not isinstance(item, EmbeddingItem):
-            opened.append(item)
+            checked.append(item)
             continue
         at = f"input.{index}"
         images = [open_image(url, f"{at}.image", budget) for url in _listed(item.image)]
         clips = [data_url_bytes(url, "audio", WAV_EXAMPLE, f"{at}.audio") for url in _listed(item.audio)]
         for data in clips:
             check_wav(data, f"{at}.audio", budget)
-        opened.append((item.text, images, clips, at))
+        checked.append(_CheckedItem(item.text, images, clips, at))
     return [
-        item
-        if not isinstance(item, tuple)
-        else {
-            "text": item[0] or "",
-            "image": [load_image(image, f"{item[3]}.image") for image in item[1]],
-            "audio": [decode_wav_upload(data, f"{item[3]}.audio") for data in item[2]],
+        {
+            "text": item.text or "",
+            "image": [load_image(image, f"{item.at}.image") for image in item.images],
+            "audio": [decode_wav_upload(data, f"{item.at}.audio") for data in item.clips],
         }
-        for item in opened
+        if isinstance(item, _CheckedItem)
+        else item
+        for item in checked
     ]
 
 
