@@ -72,6 +72,7 @@ def samples(name: str) -> list[tuple]:
         approx = torch.randn(3, 50, generator=gen)
         out.append((approx, torch.rand(3, 50, generator=gen) * 0.5))
         out.append((approx, torch.full((3, 50), float("inf"))))  # a row in doubt: every index
+        out.append((approx, torch.rand(3, 1, generator=gen) * 0.5))  # one bound per row (int8_bounds)
     elif name == "rms_norm":
         x = torch.randn(2, 3, 100, generator=gen) * 3  # 100: not a multiple of 8 (the C++'s sums)
         weight = torch.randn(100, generator=gen) * 0.3

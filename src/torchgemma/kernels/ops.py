@@ -256,21 +256,26 @@ def _qlinear_bounds_reference(
 
 def _bounded_candidates_reference(approx, bound) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows that may hold each row's maximum, n with approx + bound >= max(approx - bound) in
-    float32: their indices, row after row, ascending, and how many each row has. Exactly the C++'s."""
+    float32 (a bound of one column, the same for its whole row: approx >= max(approx) - 2 bound):
+    their indices, row after row, ascending, and how many each row has. Exactly the C++'s."""
     if (
         approx.dtype != torch.float32
         or bound.dtype != torch.float32
         or approx.dim() != 2
-        or bound.shape != approx.shape
+        or bound.dim() != 2
+        or bound.shape[0] != approx.shape[0]
+        or bound.shape[1] not in (approx.shape[1], 1)
     ):
         raise ValueError(
-            "bounded_candidates: approx and bound must be float32 (M, N) tensors of one shape, got "
-            f"{approx.dtype} {list(approx.shape)} and {bound.dtype} {list(bound.shape)}"
+            "bounded_candidates: approx must be a float32 (M, N) tensor and bound one of (M, N) or (M, 1), "
+            f"got {approx.dtype} {list(approx.shape)} and {bound.dtype} {list(bound.shape)}"
         )
     if approx.shape[1] == 0 and approx.shape[0] > 0:
         raise ValueError(f"bounded_candidates: approx {list(approx.shape)} has no columns to pick from")
-    best = (approx - bound).amax(-1, keepdim=True)
-    keep = approx + bound >= best
+    if bound.shape[1] == 1 and approx.shape[1] != 1:
+        keep = approx >= approx.amax(-1, keepdim=True) - 2 * bound
+    else:
+        keep = approx + bound >= (approx - bound).amax(-1, keepdim=True)
     columns = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     return columns[keep], keep.sum(-1)  # (indices row after row, a tensor of its own)
 

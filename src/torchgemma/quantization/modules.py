@@ -166,11 +166,7 @@ class QuantizedWeight(nn.Module):
             values = self.matmul(x)
             return (values if transform is None else transform(values)).argmax(-1)
         approx, bound = self._bounds(x)
-        if transform is None and bound.shape[-1] == 1:  # one bound per row (int8_bounds)
-            floor = approx.amax(-1, keepdim=True) - 2 * bound
-            where = (approx >= floor).nonzero()
-            per_row = where[:, 1].split(torch.bincount(where[:, 0], minlength=len(x)).tolist())
-        elif transform is None:
+        if transform is None:  # (bound (M, 1): one per row, int8_bounds')
             candidates, counts = torch.ops.torchgemma.bounded_candidates(approx, bound)
             per_row = candidates.split(counts.tolist())
         else:
@@ -430,7 +426,8 @@ def int8_bounds(
     most ``gamma ||(s q)[n]|| ||x||`` (gamma = (K + 64) 2^-24: a sum of K products in any order; the
     integer sums here are exact), plus 2^-21 of ``|approx| + bound`` for the final additions. A row
     with a non-finite value leaves every weight row in doubt (bound inf). The bound is per row (M, 1):
-    the largest over the weight's rows, so that choosing candidates is two passes over the scores."""
+    the largest over the weight's rows, so that choosing candidates is two passes over the scores
+    (``bounded_candidates`` with one bound per row)."""
     x = x.float()
     rows, features = x.shape
     approx = torch.ops.torchgemma.qlinear_int(x, qweight, scales, None, bits, group, 8)
@@ -447,6 +444,7 @@ def int8_bounds(
     # covers the caller's one float32 rounding of ``max(approx) - 2 bound``).
     spread = norms.max() * beta
     largest = torch.maximum(approx.amax(-1).abs(), approx.amin(-1).abs())  # max |approx| per row
+    # (amax and amin: 1.2 + 0.5 ms on 16 x 262144 scores, one thread; torch.aminmax took 9.6)
     bound = spread + (largest + spread) * 2.0**-20
     finite = torch.isfinite(x).all(-1)
     if not bool(finite.all()):

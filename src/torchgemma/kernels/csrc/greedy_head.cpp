@@ -223,22 +223,54 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
 }
 
 // The rows that may hold each row's maximum: n with approx + bound >= max over n' of approx - bound
-// (float32 sums, as the caller would form them; the bound's slack covers their rounding). Returns the
-// indices, row after row, ascending, and how many each row has.
+// (float32 sums, as the caller would form them; the bound's slack covers their rounding). A bound of
+// one column is the same for every n of its row (int8_bounds): then n with approx >= max(approx) -
+// 2 bound, the floor rounded once in float32. Returns the indices, row after row, ascending, and how
+// many each row has.
 std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound) {
   TORCH_CHECK(approx.scalar_type() == at::kFloat && bound.scalar_type() == at::kFloat && approx.dim() == 2 &&
-                  approx.sizes() == bound.sizes() && approx.is_contiguous() && bound.is_contiguous(),
-              "bounded_candidates: approx and bound must be contiguous float32 (M, N) tensors of one shape, got ",
+                  bound.dim() == 2 && bound.size(0) == approx.size(0) &&
+                  (bound.size(1) == approx.size(1) || bound.size(1) == 1) && approx.is_contiguous() &&
+                  bound.is_contiguous(),
+              "bounded_candidates: approx must be a contiguous float32 (M, N) tensor and bound one of (M, N) or "
+              "(M, 1), got ",
               approx.scalar_type(), " ", approx.sizes(), " and ", bound.scalar_type(), " ", bound.sizes());
   const int64_t M = approx.size(0), N = approx.size(1);
   TORCH_CHECK(N > 0 || M == 0, "bounded_candidates: approx ", approx.sizes(), " has no columns to pick from");
+  const bool per_row = bound.size(1) == 1 && N != 1;
   std::vector<int64_t> picked;
   at::Tensor counts = at::empty({M}, approx.options().dtype(at::kLong));
   for (int64_t m = 0; m < M; ++m) {
     const float* a = approx.data_ptr<float>() + m * N;
-    const float* b = bound.data_ptr<float>() + m * N;
-    float best = -std::numeric_limits<float>::infinity();
+    const float* b = bound.data_ptr<float>() + m * bound.size(1);
     const size_t before = picked.size();
+    if (per_row) {
+      // approx >= max(approx) - 2 b: the same test as approx + b >= max(approx - b) for one b
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t n = 0;
+#ifdef TG_AVX2
+      __m256 top = _mm256_set1_ps(best);
+      for (; n + 8 <= N; n += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(a + n));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, top);
+      for (float v : lanes) best = std::max(best, v);
+#endif
+      for (; n < N; ++n) best = std::max(best, a[n]);
+      const float floor = best - 2.0f * b[0];
+      n = 0;
+#ifdef TG_AVX2
+      const __m256 f = _mm256_set1_ps(floor);
+      for (; n + 8 <= N; n += 8) {
+        unsigned mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + n), f, _CMP_GE_OQ));
+        for (; mask; mask &= mask - 1) picked.push_back(n + __builtin_ctz(mask));
+      }
+#endif
+      for (; n < N; ++n)
+        if (a[n] >= floor) picked.push_back(n);
+      counts.data_ptr<int64_t>()[m] = static_cast<int64_t>(picked.size() - before);
+      continue;
+    }
+    float best = -std::numeric_limits<float>::infinity();
     int64_t n = 0;
 #ifdef TG_AVX2
     __m256 top = _mm256_set1_ps(best);
