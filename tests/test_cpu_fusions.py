@@ -10,10 +10,16 @@ import torchgemma
 from checkpoints import padded_batch
 from torchgemma import kernels
 from torchgemma.acceleration import cpu_fusions
-from torchgemma.acceleration.cpu_fusions import FUSED_ATTENTION, FusedRMSNorm, fuse_cpu_ops, fused_rope
+from torchgemma.acceleration.cpu_fusions import (
+    FUSED_ATTENTION,
+    FusedDecoderLayer,
+    FusedRMSNorm,
+    fuse_cpu_ops,
+    fused_rope,
+)
 from torchgemma.model.attention import ATTENTION
 from torchgemma.model.layers import RMSNorm, apply_rope
-from torchgemma.model.text import Attention
+from torchgemma.model.text import Attention, DecoderLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -255,3 +261,44 @@ def test_rings_as_long_as_the_cache_are_read_in_place_with_the_gathered_bits(
     monkeypatch.setattr(cache_module.SlidingLayerCache, "_in_place", lambda self, key, step: False)
     copied = run()
     assert in_place == copied
+
+
+@pytest.mark.parametrize("source", ["gemma3-gguf", "e2b", "31b-int8"])
+def test_the_fused_decoder_layer_gives_the_layers_bits(text_checkpoints, tmp_path, source, monkeypatch):
+    """A fused model's decoder layers run their one-token calls (the decode steps, rows of their own
+    lengths included) through FusedDecoderLayer's direct calls, with the logits of DecoderLayer's own
+    forward to the bit: a Gemma 3 GGUF (as loaded: quantized, fused), a float32 Gemma 4 E2B (per-layer
+    inputs, KV-shared layers, value norms) and a Gemma 4 31B quantized to int8 (K=V layers)."""
+    if source == "gemma3-gguf":
+        from gguf_fixtures import random_model, write_gguf
+
+        path = tmp_path / "gemma3.gguf"
+        write_gguf(path, random_model("gemma3_text", {}, seed=7))
+        model = torchgemma.load(path)
+    elif source == "e2b":
+        model = fuse_cpu_ops(torchgemma.load(text_checkpoints["e2b"], dtype=torch.float32))
+    else:
+        model = torchgemma.quantize(torchgemma.load(text_checkpoints["31b"], dtype=torch.float32), "int8")
+    layers = model.language_model.layers
+    assert all(type(layer) is FusedDecoderLayer for layer in layers)
+    ids, mask = padded_batch(seed=5)
+    ids = ids % model.config.text.vocab_size
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            cache = model.make_cache(2, 24)
+            steps = [model(ids[:, :9], cache=cache)]
+            steps += [model(ids[:, t : t + 1], cache=cache) for t in range(9, 14)]
+            # Rows of their own lengths: a one-token call whose rows read different key ranges.
+            steps.append(model(ids[:1, 14:15], cache=cache, slots=[0]))
+            steps.append(model(ids[:, 15:16], cache=cache))
+        return torch.cat([step[:, -1] for step in steps])
+
+    calls = []
+    attend = cpu_fusions._attend
+    monkeypatch.setattr(cpu_fusions, "_attend", lambda *args: calls.append(1) or attend(*args))
+    fused = run()
+    assert len(calls) == 7 * len(layers)  # every one-token call of every layer, no prefill
+    for layer in layers:
+        layer.__class__ = DecoderLayer
+    assert torch.equal(fused, run())
