@@ -317,6 +317,34 @@ def test_integer_activation_rows_that_are_not_finite_give_nan():
     assert torch.equal(out[[0, 2]], clean[[0, 2]])
 
 
+def test_projections_take_integer_activations_from_int_rows(text_checkpoints):
+    """With integer activations a decoder's projections switch to qlinear_int at INT_ROWS rows (batched
+    decode steps) and the LM head at DENSE_ROWS; ``integer_rows`` tells verify passes where."""
+    from torchgemma.quantization import QuantizedLinear, QuantizedWeight, set_activations
+    from torchgemma.quantization.modules import INT_ROWS, integer_rows
+
+    model = torchgemma.load(text_checkpoints["e2b"], quantize="int8", activations=None)
+    assert integer_rows(model) is None
+    set_activations(model, "int16")
+    assert integer_rows(model) == INT_ROWS < DENSE_ROWS
+    weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert {m.int_rows for m in weights if type(m) is QuantizedLinear and m.activation_bits} == {INT_ROWS}
+    assert {m.int_rows for m in weights if type(m) is not QuantizedLinear} == {DENSE_ROWS}
+    proj = model.language_model.layers[0].mlp.up_proj
+    f = proj.format
+    args = (proj.qweight, proj.scales, proj.mins, f.bits, f.group_size)
+    gen = torch.Generator().manual_seed(3)
+    for rows, integer in ((INT_ROWS - 1, False), (INT_ROWS, True), (DENSE_ROWS - 1, True)):
+        x = torch.randn(rows, proj.weight_shape[1], generator=gen)
+        if integer:
+            expected = torch.ops.torchgemma.qlinear_int(x, *args, 16)
+        else:
+            expected = torch.ops.torchgemma.qlinear(x, *args)
+        assert torch.equal(proj(x), expected), rows
+    set_activations(model, None)
+    assert integer_rows(model) is None and {m.int_rows for m in weights} == {DENSE_ROWS}
+
+
 def test_integer_activations_on_a_model(text_checkpoints):
     """Products of DENSE_ROWS rows or more (prefill) round activations; one-token steps keep their
     bits; None restores the float products; "auto" is int16 with VNNI, else None; refused where it
@@ -453,8 +481,9 @@ def test_bf16_model_quantized_computes_in_bf16(text_checkpoints):
 
 
 def test_cached_decode_of_a_quantized_model_equals_its_full_forward(text_checkpoints):
-    """The cache and the quantized layers compose: decode step by step = one forward (float32)."""
-    model = torchgemma.load(text_checkpoints["e2b"], quantize="int8")
+    """The cache and the quantized layers compose: decode step by step = one forward (float32, float
+    activations: integer ones round calls of INT_ROWS rows or more, as the 11-token forward)."""
+    model = torchgemma.load(text_checkpoints["e2b"], quantize="int8", activations=None)
     ids = IDS[:1]
     cache = model.make_cache(1, 16)
     with torch.inference_mode():

@@ -243,9 +243,11 @@ class SlidingLayerCache:
     def _in_place(self, key: torch.Tensor, step: CacheStep) -> bool:
         """A decode step (one token per row, every row storing it, host-side starts known) whose
         rows' keys fit the ring beside the new key: the whole window, or, in a ring as long as the
-        cache (shorter than the window), every position from 0 (``RingKeys.unheld``)."""
+        cache (shorter than the window), every position from 0 (``RingKeys.unheld``). Not a verify
+        pass's (``apart``): ``attend_apart`` slices its keys, even for one query per row."""
         return (
             key.shape[2] == 1
+            and not step.apart
             and step.active is None
             and step.written is None
             and step.starts is not None

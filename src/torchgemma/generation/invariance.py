@@ -9,7 +9,8 @@ many rows share the call. Seen on the machines we run on:
   multiply-adds (M x N x K > 4096) and to its own kernel below: a small layer's rows change bits
   when a batch pushes the call past the threshold (tiny models; Gemma 3n's AltUp 4x4 products);
 * MKL's float32 GEMM runs one row (gemv), 2-3 rows and 4+ rows three different ways;
-* the quantized products switch kernels at ``quantization.modules.DENSE_ROWS`` rows.
+* the quantized products switch kernels at ``quantization.modules.DENSE_ROWS`` rows (a decoder's
+  projections with integer activations at ``INT_ROWS``).
 
 Rather than trust a table of such rules, ``RowProbe`` asks the kernels: once per model and
 engine, it multiplies random rows by each distinct weight of the decoder (and the head), alone and
@@ -47,7 +48,7 @@ from ..notices import slow_notice
 # torch's rule (aten/src/ATen/native/mkldnn/Matmul.cpp, checksize): oneDNN takes a reduced-precision
 # product of more than this many multiply-adds on CPUs where it supports the type.
 ONEDNN_MIN_PRODUCT = 16 * 16 * 16
-PROBE_ROWS = (2, 3, 4, 5, 8, 16, 32)  # 32: quantization.modules.DENSE_ROWS
+PROBE_ROWS = (2, 3, 4, 5, 8, 16, 32)  # 8, 32: quantization.modules.INT_ROWS, DENSE_ROWS
 HEAD_ROWS = 16384
 # Probes already run, per model (weights change in place only through load paths that build a model).
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

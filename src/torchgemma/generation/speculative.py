@@ -44,7 +44,9 @@ the accepted drafts), and each query of the verify pass attends as a one-token c
 would (``model.attention.attend_apart``: the same keys in the same order, the same kernel: bits
 equal). The products (projections, MLP, head) see 1 + k rows per request instead of 1, so the bits
 are equal where the kernels are row-invariant: the quantized row kernels below ``DENSE_ROWS`` rows
-(int8/int4/GGUF blocks: the logits are bit-identical, tested), bf16 wherever ``RowProbe`` finds no
+(int8/int4/GGUF blocks: the logits are bit-identical, tested; below ``INT_ROWS`` where projections take
+integer activations, so verify then drafts at most ``INT_ROWS - 2`` tokens and runs request by request
+where a pass would reach that many rows: ``verify._row_limit``), bf16 wherever ``RowProbe`` finds no
 boundary. A ``batch_invariant`` engine (bf16 on the CPU by default) keeps every verify call below
 the probe's first boundary (fewer drafts, or request by request), and drafts nothing where that
 boundary is 2 rows (tiny bf16 models on AVX-512 CPUs, whose small products switch to oneDNN at 2

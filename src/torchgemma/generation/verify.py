@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..quantization.modules import integer_rows
 from .invariance import RowProbe
 from .requests import Request, StepOutput, token_logprobs
 from .sampling import check_scores, process_logits
@@ -52,9 +53,11 @@ def speculative_decode(engine, requests: list[Request]) -> list[StepOutput]:
 
 def _row_limit(engine) -> int | None:
     """In a batch-invariant engine, the first row count at which a product's rows change bits
-    (``RowProbe``) for calls as large as verify passes get; None: no bound."""
+    (``RowProbe``) for calls as large as verify passes get; in another, the rows from which quantized
+    projections take integer activations (``integer_rows``: a verify call of fewer rows gets decode
+    steps' bits); None: no bound."""
     if not engine.batch_invariant:
-        return None
+        return integer_rows(engine.model)
     rows = engine.max_batch_size * (1 + engine.speculation.num_tokens)
     return RowProbe.run(engine.model.language_model, rows, engine.model.dtype).first
 

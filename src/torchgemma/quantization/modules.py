@@ -43,6 +43,14 @@ BOUNDED_ROWS = 3
 # product 23 / 23 ms at 4 rows, 28 / 46 at 8, 39 / 89 at 16. Heads with offsets (mins) keep the full
 # product: the bound below does not cover the offsets' share of the activations' rounding.
 INT_BOUNDED_ROWS = 6
+# A decoder's projections with integer activations (activation_bits; set_activations gives them
+# ``int_rows``) take qlinear_int from this many rows on, below DENSE_ROWS too: there its integer products
+# beat the float row kernel. Gemma 3 270M's 126 layer weights per decode step (Zen 4 with VNNI, thread
+# CPU time, int16 / float row kernel): 1 thread 29.5 / 29.5 ms at 6 rows, 30.1 / 34.7 at 8, 34.4 / 48.8
+# at 12, 44.9 / 67.0 at 16; 2 threads 21.6 / 20.6 at 8, 22.8 / 33.2 at 16. Fewer rows (single-stream
+# decode) keep the float row kernel, which repacks nothing (int16 23.6 / 10.0 ms at 1 row). The greedy
+# head keeps DENSE_ROWS: its candidates are the row kernel's values.
+INT_ROWS = 8
 
 
 _QLINEAR = torch.ops.torchgemma.qlinear.default
@@ -84,9 +92,10 @@ SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 class QuantizedWeight(nn.Module):
     """The buffers of one quantized (N, K) weight and the two ways to use them."""
 
-    # Products of DENSE_ROWS rows or more round x to integers of this many bits per 32 values, 8 or 16;
-    # 0: they take x as it is (set_activations).
+    # Products of `int_rows` rows or more round x to integers of this many bits per 32 values, 8 or 16;
+    # 0: they take x as it is (set_activations, which sets both).
     activation_bits = 0
+    int_rows = DENSE_ROWS
 
     def __init__(self, rows: int, features: int, fmt: Format, dtype: torch.dtype):
         super().__init__()
@@ -123,7 +132,7 @@ class QuantizedWeight(nn.Module):
         """x (..., K) -> x @ W.T (..., N), in the model's dtype."""
         # (The buffers read from _buffers: this runs ~130 times per decoded token.)
         buffers = self._buffers
-        if x.dtype is torch.float32 and x.numel() < DENSE_ROWS * x.shape[-1]:
+        if x.dtype is torch.float32 and x.numel() < self.int_rows * x.shape[-1]:
             # A decode step's float32 rows: _product's row kernel, called directly (what _product
             # would call, with the same float32 result, for a few microseconds less per call).
             f = self.format
@@ -132,10 +141,11 @@ class QuantizedWeight(nn.Module):
 
     def _product(self, x: torch.Tensor, qweight, scales, mins) -> torch.Tensor:
         """x @ W.T for these buffers (all of this weight's, or an expert's rows): the row kernel below
-        DENSE_ROWS rows, else the dense or integer-activation product."""
+        ``int_rows`` rows (DENSE_ROWS, or INT_ROWS with integer activations), else the dense or
+        integer-activation product."""
         f = self.format
         args = (x, qweight, scales, mins, f.bits, f.group_size)
-        if x.numel() >= DENSE_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+        if x.numel() >= self.int_rows * x.shape[-1] and not torch.compiler.is_compiling():
             if self.activation_bits:
                 out = torch.ops.torchgemma.qlinear_int.default(*args, self.activation_bits)
             else:
@@ -414,6 +424,14 @@ def quantize_rtn(
         qweight[rows] = pack(q.view(-1, k), fmt.bits)
         scales[rows] = scale
     return qweight, scales, mins
+
+
+def integer_rows(model: nn.Module) -> int | None:
+    """The fewest rows from which one of ``model``'s quantized products rounds its activations to
+    integers below DENSE_ROWS (INT_ROWS, for a decoder's projections with ``activation_bits``): calls
+    of fewer rows get a one-row call's bits. None: no product switches below DENSE_ROWS."""
+    rows = [m.int_rows for m in model.modules() if isinstance(m, QuantizedWeight) and m.int_rows < DENSE_ROWS]
+    return min(rows, default=None)
 
 
 def int8_bounds(

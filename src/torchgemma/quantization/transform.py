@@ -12,7 +12,15 @@ from torch import nn
 from ..acceleration.cpu_fusions import fuse_cpu_ops
 from ..kernels import int_span, kernel_status, vnni_available
 from ..model.text import Experts
-from .modules import Format, QuantizedEmbedding, QuantizedLinear, QuantizedStack, QuantizedWeight
+from .modules import (
+    DENSE_ROWS,
+    INT_ROWS,
+    Format,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedStack,
+    QuantizedWeight,
+)
 
 MODES = ("int8", "int4", "gguf")
 ACTIVATIONS = ("auto", None, "int16", "int8")
@@ -80,7 +88,7 @@ def quantize(
     float32 copy. A layer whose width the format cannot hold (e.g. 4-bit groups of 32 over 8
     features) stays in full precision; ``model.quantization`` records the mode, the format of each
     quantized layer and the layers kept, with the reason (and a warning says so). ``activations``:
-    how products of 16 rows or more (prefill) take their activations (``set_activations``; "auto":
+    how products of many rows (prefill, batched decode) take their activations (``set_activations``; "auto":
     int16 where the CPU has AVX-512 VNNI). Returns the model.
     """
     check_activations(activations)
@@ -104,7 +112,9 @@ def quantize(
 
 
 def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
-    """How the quantized products of 16 rows or more (prefill) take their activations, in place:
+    """How the quantized products of many rows take their activations, in place: those of DENSE_ROWS
+    (32) rows or more (prefill), and a decoder's projections from INT_ROWS (8) rows on (batched decode
+    steps; see quantization/modules.py):
 
     * ``"auto"``: ``"int16"`` where the CPU kernels have AVX-512 VNNI (``kernels.vnni_available()``),
       else None;
@@ -116,7 +126,7 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
       few tokens of a long prompt, as llama.cpp's do;
     * None: in the model's dtype (the reference's products, to float32 rounding).
 
-    Decode steps (fewer rows) are not affected. A weight whose groups do not split into spans of 32
+    Decode steps of fewer rows (and the greedy head below DENSE_ROWS) are not affected. A weight whose groups do not split into spans of 32
     values (or divide 32), or whose rows are not a multiple of 32 values, keeps float activations."""
     check_activations(activations)
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
@@ -141,6 +151,9 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
         )
     for module in weights:
         module.activation_bits = bits if int_span(module.format.group_size, module.weight_shape[-1]) else 0
+        # a decoder's projections from INT_ROWS rows (batched decode steps), the rest from DENSE_ROWS
+        linear = module.activation_bits and type(module) is QuantizedLinear
+        module.int_rows = INT_ROWS if linear else DENSE_ROWS
     return model
 
 
