@@ -68,10 +68,10 @@ def test_media_and_constraints_on_four_ranks_match_one_process(media_llm_checkpo
 
 
 @contextlib.contextmanager
-def torchrun_server(folder, tmp_path, size: int):
-    """``torchgemma serve`` on ``size`` ranks under torchrun; yields its base URL."""
+def torchrun_server(folder, tmp_path, size: int, *flags: str):
+    """``torchgemma serve`` on ``size`` ranks under torchrun (and ``flags``); yields its base URL."""
     port = free_port()
-    argv = ["serve", "--model", str(folder), "--port", str(port), "--max-len", "512"]
+    argv = ["serve", "--model", str(folder), "--port", str(port), "--max-len", "512", *flags]
     argv += ["--served-model-name", "m", "--tensor-parallel-size", str(size)]
     launcher = [
         "-m",
@@ -179,3 +179,26 @@ def test_server_under_torchrun_answers_media_and_formats_as_one_process(media_ll
         got = [_ask(url, path, body) for path, body in requests]
     for i, (a, b) in enumerate(zip(got, want)):
         _same(a, b, f"request {i}")
+
+
+@pytest.mark.slow
+def test_server_under_torchrun_speculates_as_one_process(media_llm_checkpoints, tmp_path):
+    """`serve --tensor-parallel-size 2 --speculative ngram` drafts (its /metrics count draft tokens)
+    and answers a greedy completion that quotes its prompt as one process without speculation does
+    (the server's engine is built in one place, speculation included, on every rank)."""
+    from serving_fixtures import running_server
+    from torchgemma.llm import LLM
+    from torchgemma.serving.app import create_app
+
+    folder = media_llm_checkpoints["e2b"]
+    body = dict(prompt="one two three four one two three four one two", temperature=0, max_tokens=24)
+    with running_server(create_app(LLM(folder), model_name="m", max_len=512)) as url:
+        want = _ask(url, "completions", body)
+    with torchrun_server(folder, tmp_path, 2, "--speculative", "ngram") as url:
+        got = _ask(url, "completions", body)
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    drafted = [
+        line for line in metrics.splitlines() if line.startswith("torchgemma_speculative_draft_tokens")
+    ]
+    assert drafted and float(drafted[0].split()[-1]) > 0, drafted

@@ -302,17 +302,15 @@ def parallel_engine(args: argparse.Namespace, llm):
 
     if args.tensor_parallel_size == 1 and not args.expert_parallel:
         return None
-    from ..generation import Engine
-    from ..generation.prefix_cache import prefix_cache_of
     from ..generation.ranks import LeaderEngine, follow
+    from ..serving.state import server_engine
 
-    engine = Engine(
-        llm.model,
+    engine = server_engine(
+        llm,
         max_batch_size=args.max_batch_size,
         max_len=args.max_len,
         prefill_chunk=args.prefill_chunk,
-        generation_config=llm.generation_config,
-        prefix_cache=prefix_cache_of(args.prefix_cache_gb),
+        prefix_cache_gb=args.prefix_cache_gb,
     )
     if is_leader():
         return LeaderEngine(engine)

@@ -55,6 +55,23 @@ class ResponseStore:
         return self._entries.pop(response_id, None) is not None
 
 
+def server_engine(
+    llm: LLM, *, max_batch_size: int, max_len: int, prefill_chunk: int | None, prefix_cache_gb: float
+) -> Engine:
+    """The engine a server runs over ``llm.model``: the one place the server's settings become an
+    ``Engine`` (one process, and each rank under ``serve --tensor-parallel-size``), speculative
+    decoding (``llm.speculative``) included."""
+    return Engine(
+        llm.model,
+        max_batch_size=max_batch_size,
+        max_len=max_len,
+        prefill_chunk=prefill_chunk,
+        generation_config=llm.generation_config,
+        prefix_cache=prefix_cache_of(prefix_cache_gb),
+        speculative=getattr(llm, "speculative", None),
+    )
+
+
 @dataclass
 class ServerState:
     llm: LLM
@@ -105,16 +122,13 @@ class ServerState:
         that begins as an earlier one did prefills only the rest, with the same results); 0 turns it
         off. Its own store, not ``llm.prefix_cache``: that one is the library's, for ``LLM``'s calls.
         ``responses_store``: how many /v1/responses replies are kept (``ResponseStore``)."""
-        prefix_cache = prefix_cache_of(prefix_cache_gb)
         if engine is None:
-            engine = Engine(
-                llm.model,
+            engine = server_engine(
+                llm,
                 max_batch_size=max_batch_size,
                 max_len=max_len,
                 prefill_chunk=prefill_chunk,
-                generation_config=llm.generation_config,
-                prefix_cache=prefix_cache,
-                speculative=getattr(llm, "speculative", None),
+                prefix_cache_gb=prefix_cache_gb,
             )
         runner: EngineRunner | None = None  # the gauges read it once it exists
         metrics = Metrics(lambda: runner.running, lambda: runner.waiting)
