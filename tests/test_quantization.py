@@ -307,6 +307,39 @@ def test_integer_activation_products_do_not_depend_on_the_thread_count():
         assert torch.equal(one, two)
 
 
+# The weight formats of the GGUF loader (Q8_0, Q6_K as 8-bit groups of 16, Q4_K, Q5_K/Q5_0 as 5-bit) and a
+# group of 64, with the scale dtypes the loader stores.
+FEW_ROW_CASES = [
+    (8, 32, False, torch.float16),
+    (8, 16, False, torch.float32),
+    (4, 32, True, torch.float16),
+    (5, 32, True, torch.float16),
+    (5, 32, False, torch.float32),
+    (8, 64, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("bits", "group", "mins", "scale_dtype"), FEW_ROW_CASES)
+def test_few_row_int16_products_give_the_bits_of_a_many_row_call(bits, group, mins, scale_dtype):
+    """Calls of up to 16 rows (decode steps) read the stored integers in place where the CPU has
+    AVX-512 VNNI; calls of more rows interleave them (or take the portable loop). Each row's int16
+    product is the same bits either way, in every instruction set's build: 70 weight rows (a partial
+    block of 16), 1-16 activation rows."""
+    ensure_kernels()
+    x, *rest = _i8_inputs(bits, group, mins, scale_dtype, 40, 70, 320, seed=5)
+    runs = {}
+    for isa in kernels.available_isas():
+        with kernels.using_isa(isa):
+            many = torch.ops.torchgemma.qlinear_int(x, *rest, 16)
+            for m in (1, 2, 3, 4, 8, 15, 16):
+                few = torch.ops.torchgemma.qlinear_int(x[:m].clone(), *rest, 16)
+                assert torch.equal(few, many[:m]), (isa, m)
+            runs[isa] = many
+    first = next(iter(runs.values()))
+    for isa, out in runs.items():
+        assert torch.equal(out, first), isa
+
+
 def test_integer_activation_rows_that_are_not_finite_give_nan():
     ensure_kernels()
     x, q, scales, offsets, bits, group = _i8_inputs(4, 32, True, torch.float32, 3, 16, 64)

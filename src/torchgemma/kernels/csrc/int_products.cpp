@@ -249,6 +249,132 @@ bool cpu_has_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   return has;
 }
+
+// Few activation rows, 16-bit (decode steps): the stored integers read in place, no interleaving.
+// Per weight row and 32 values, vpmaddwd of the row's int16 (sign- or zero-extended from the stored
+// bytes) with the activations' gives 16 exact int32 pair sums; 16 rows' vectors are reduced by a
+// transpose-add into the span sums I of all 16 rows (one vector, or two for spans of 16), then the float
+// steps above run for the 16 rows at once: the same I, X and float operations, so the same bits.
+constexpr int64_t kDirectRows = 16;  // calls of at most this many rows take this path
+
+// 32 values of row q's block b as int16.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline __m512i block_i16(const uint8_t* q,
+                                                                                              int64_t b) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32)));
+  } else {
+    __m128i lo, hi;
+    block_bytes_u8<BITS>(q + b * block_bytes(BITS), lo, hi);
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+  }
+}
+
+// Four rows' pair sums -> per 128-bit lane L: the 4 rows' sums of lane L's four dwords.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline __m512i reduce4(__m512i a, __m512i b,
+                                                                                           __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+// MT activation rows (m0..) times 16 weight rows (q0 + r * row_bytes, r < 16; rows past `valid` repeat
+// the last and are not stored), spans of F (32 or 16) values.
+template <int BITS, int MT, int F, bool MINS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int16_direct_tile(
+    const uint8_t* q0, int64_t row_bytes, int64_t valid, const float* spack, const float* mpack,
+    const IntActivations& a, int64_t K, int64_t G, int64_t m0, float* out, int64_t out_stride) {
+  const uint8_t* rows[16];
+  for (int r = 0; r < 16; ++r) rows[r] = q0 + std::min<int64_t>(r, valid - 1) * row_bytes;
+  const int64_t spans = K / F, dstride = K / 32;
+  const int16_t* xq = reinterpret_cast<const int16_t*>(a.xq.data()) + m0 * K;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512i xv[MT], part[MT][4];
+    for (int t = 0; t < MT; ++t) xv[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(xq + t * K + b * 32));
+    for (int j = 0; j < 4; ++j) {
+      __m512i w[4];
+      for (int i = 0; i < 4; ++i) w[i] = block_i16<BITS>(rows[4 * j + i], b);
+      for (int t = 0; t < MT; ++t)
+        part[t][j] = reduce4(_mm512_madd_epi16(w[0], xv[t]), _mm512_madd_epi16(w[1], xv[t]),
+                             _mm512_madd_epi16(w[2], xv[t]), _mm512_madd_epi16(w[3], xv[t]));
+    }
+    for (int t = 0; t < MT; ++t) {
+      // part[t][j] lane L: rows 4j..4j+3 over values 8L..8L+7. Lanes 0-1 are the block's first 16
+      // values, lanes 2-3 its last 16.
+      const __m512i p01 = _mm512_add_epi32(_mm512_shuffle_i32x4(part[t][0], part[t][1], 0x88),
+                                           _mm512_shuffle_i32x4(part[t][0], part[t][1], 0xDD));
+      const __m512i p23 = _mm512_add_epi32(_mm512_shuffle_i32x4(part[t][2], part[t][3], 0x88),
+                                           _mm512_shuffle_i32x4(part[t][2], part[t][3], 0xDD));
+      const __m512i first = _mm512_shuffle_i32x4(p01, p23, 0x88);  // row r's sum over values 0..15
+      const __m512i second = _mm512_shuffle_i32x4(p01, p23, 0xDD);
+      const float dm = a.d[(m0 + t) * dstride + b];
+      auto step = [&](__m512i I, int64_t s) {
+        const int64_t g = s * F / G;
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_loadu_ps(spack + g * kIntRows));
+        if constexpr (MINS)
+          v = _mm512_fmadd_ps(_mm512_loadu_ps(mpack + g * kIntRows),
+                              _mm512_set1_ps(static_cast<float>(a.sums[(m0 + t) * spans + s])), v);
+        acc[t] = _mm512_fmadd_ps(v, _mm512_set1_ps(dm), acc[t]);
+      };
+      if constexpr (F == 32) {
+        step(_mm512_add_epi32(first, second), b);
+      } else {
+        step(first, 2 * b);
+        step(second, 2 * b + 1);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, valid)) - 1u);
+  for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + t * out_stride, mask, acc[t]);
+}
+
+template <int BITS, int F, bool MINS>
+void int16_direct_rows(const uint8_t* q0, int64_t row_bytes, int64_t valid, const float* spack, const float* mpack,
+                       const IntActivations& a, int64_t M, int64_t K, int64_t G, float* out, int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2)
+    int16_direct_tile<BITS, 2, F, MINS>(q0, row_bytes, valid, spack, mpack, a, K, G, m, out + m * out_stride,
+                                        out_stride);
+  if (m < M)
+    int16_direct_tile<BITS, 1, F, MINS>(q0, row_bytes, valid, spack, mpack, a, K, G, m, out + m * out_stride,
+                                        out_stride);
+}
+
+// The products of qlinear_int_impl<16> for M <= kDirectRows and spans of 32 or 16 (false: not taken).
+template <int BITS, typename S>
+bool int16_direct(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
+                  int64_t G, const IntActivations& a, int64_t M, float* op) {
+  const int64_t F = int_span(G);
+  if (!cpu_has_vnni() || M > kDirectRows || (F != 32 && F != 16)) return false;
+  const int64_t groups = K / G, blocks = (N + kIntRows - 1) / kIntRows;
+  const int64_t task = std::max<int64_t>(1, std::min<int64_t>(8, blocks / (4 * at::get_num_threads())));
+  parallel_tasks(blocks, task, [&](int64_t b0, int64_t b1) {
+    std::vector<float> spack(groups * kIntRows), mpack(mp ? groups * kIntRows : 0);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kIntRows, valid = std::min<int64_t>(kIntRows, N - n0);
+      for (int64_t r = 0; r < kIntRows; ++r) {
+        const int64_t n = n0 + std::min<int64_t>(r, valid - 1);
+        for (int64_t g = 0; g < groups; ++g) {
+          spack[g * kIntRows + r] = to_float(sp[n * groups + g]);
+          if (mp) mpack[g * kIntRows + r] = to_float(mp[n * groups + g]);
+        }
+      }
+      const uint8_t* q0 = qp + n0 * row_bytes;
+      float* o = op + n0;
+      if (F == 32 && mp)
+        int16_direct_rows<BITS, 32, true>(q0, row_bytes, valid, spack.data(), mpack.data(), a, M, K, G, o, N);
+      else if (F == 32)
+        int16_direct_rows<BITS, 32, false>(q0, row_bytes, valid, spack.data(), nullptr, a, M, K, G, o, N);
+      else if (mp)
+        int16_direct_rows<BITS, 16, true>(q0, row_bytes, valid, spack.data(), mpack.data(), a, M, K, G, o, N);
+      else
+        int16_direct_rows<BITS, 16, false>(q0, row_bytes, valid, spack.data(), nullptr, a, M, K, G, o, N);
+    }
+  });
+  return true;
+}
 #endif
 
 template <int XB>
@@ -289,6 +415,11 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     const S* sp = static_cast<const S*>(scales.data_ptr());
     const S* mp = mins ? static_cast<const S*>(mins->data_ptr()) : nullptr;
     float* op = out.data_ptr<float>();
+#ifdef TG_VNNI
+    if constexpr (XB == 16) {
+      if (int16_direct<BITS>(qp, sp, mp, qweight.size(1), N, K, group, a, M, op)) return;
+    }
+#endif
     // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
     // activation row passes over them.
     constexpr int64_t kGroups = kTileGroups;
