@@ -51,9 +51,16 @@ INT_BOUNDED_ROWS = 6
 # decode) keep the float row kernel, which repacks nothing (int16 23.6 / 10.0 ms at 1 row). The greedy
 # head keeps DENSE_ROWS: its candidates are the row kernel's values.
 INT_ROWS = 8
+# Off by default (an experiment, issue 29): True sends calls of fewer than ``int_rows`` float32 rows
+# (decode steps) through qlinear_int with int16 activations instead of the float row kernel, for weights that
+# take integer activations (activation_bits set). Where the CPU has AVX-512 VNNI, calls of up to 16 rows
+# read the stored integers in place (int_products.cpp): ~1.3x the row kernel on the 270M's layers at 1
+# thread (Zen 4); elsewhere they interleave the weight per call, which is slower than the row kernel.
+INT16_DECODE = False
 
 
 _QLINEAR = torch.ops.torchgemma.qlinear.default
+_QLINEAR_INT = torch.ops.torchgemma.qlinear_int.default
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,10 @@ class QuantizedWeight(nn.Module):
             # A decode step's float32 rows: _product's row kernel, called directly (what _product
             # would call, with the same float32 result, for a few microseconds less per call).
             f = self.format
+            if INT16_DECODE and self.activation_bits:
+                return _QLINEAR_INT(
+                    x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size, 16
+                )
             return _QLINEAR(x, buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size)
         return self._product(x, buffers["qweight"], buffers["scales"], buffers["mins"])
 
