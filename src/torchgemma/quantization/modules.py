@@ -52,10 +52,11 @@ INT_BOUNDED_ROWS = 6
 # head keeps DENSE_ROWS: its candidates are the row kernel's values.
 INT_ROWS = 8
 # Off by default (an experiment, issue 29): True sends calls of fewer than ``int_rows`` float32 rows
-# (decode steps) through qlinear_int with int16 activations instead of the float row kernel, for weights that
-# take integer activations (activation_bits set). Where the CPU has AVX-512 VNNI, calls of up to 16 rows
-# read the stored integers in place (int_products.cpp): ~1.3x the row kernel on the 270M's layers at 1
-# thread (Zen 4); elsewhere they interleave the weight per call, which is slower than the row kernel.
+# (decode steps) through qlinear_int with int16 activations instead of the float row kernel, for
+# weights that take integer activations (activation_bits set). Where the CPU has AVX-512 VNNI, calls of
+# up to 7 rows read the stored integers in place (int_products.cpp): ~1.35x the row kernel on the 270M's
+# layers at 1 row, 1 thread (Zen 4); elsewhere they interleave the weight per call, slower than the
+# row kernel.
 INT16_DECODE = False
 
 
