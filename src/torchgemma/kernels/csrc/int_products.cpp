@@ -27,6 +27,8 @@ namespace torchgemma::TG_ISA {
 //
 // For VNNI the integers of 16 rows are interleaved a dword at a time (one 64-byte load holds values
 // k..k+3 (bytes) or k..k+1 (int16) of each row), a slab of rows at a time, in each thread's own buffer.
+// Calls of a few rows with 16-bit activations read the stored integers in place instead
+// (int16_direct, below): interleaving would cost more than the products.
 
 constexpr int64_t kIntRows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
 // A VNNI tile: this many activation rows times this many interleaved groups (4 x 2: tiles of 6 x 2,
