@@ -151,8 +151,9 @@ def set_activations(model: nn.Module, activations: str | None) -> nn.Module:
         )
     for module in weights:
         module.activation_bits = bits if int_span(module.format.group_size, module.weight_shape[-1]) else 0
-        # a decoder's projections from INT_ROWS rows (batched decode steps), the rest from DENSE_ROWS
-        linear = module.activation_bits and type(module) is QuantizedLinear
+        # a decoder's projections from INT_ROWS rows (batched decode steps) where the CPU has VNNI,
+        # the rest (and all without VNNI, where integer products are portable loops) from DENSE_ROWS
+        linear = module.activation_bits and type(module) is QuantizedLinear and vnni_available()
         module.int_rows = INT_ROWS if linear else DENSE_ROWS
     return model
 
