@@ -55,8 +55,8 @@ INT_ROWS = 8
 # (decode steps) through qlinear_int with int16 activations instead of the float row kernel, for
 # weights that take integer activations (activation_bits set). Where the CPU has AVX-512 VNNI, calls of
 # up to 7 rows read the stored integers in place (int_products.cpp): 1.35x the row kernel's speed on the
-# 270M's layers at 1 row, 1 thread (Zen 4) with weights in cache, but 0.74x read from memory (11.8 /
-# 8.7 ms per step, the 8-bit 2048 x 640 weights 6.6 / 4.2); elsewhere they interleave the weight per
+# 270M's layers at 1 row, 1 thread (Zen 4) with weights in cache, but 0.76x read from memory (11.8 /
+# 9.0 ms per step, the 8-bit 2048 x 640 weights 6.6 / 4.2); elsewhere they interleave the weight per
 # call, slower than the row kernel. Decode through it ran at 26-31 tok/s against 35-40 (1 thread).
 INT16_DECODE = False
 

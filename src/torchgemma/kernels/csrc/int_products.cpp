@@ -261,7 +261,7 @@ bool cpu_has_vnni() {
 // (thread CPU time, sum per step, this / interleaved): 7.3 / 15.0 ms at 1 row, 9.1 / 16.4 at 2, about
 // even at 4-8 (noisy machine), 49 / 44 at 16: from 8 rows the interleaved tiles (4 activation rows per
 // weight load) win. Against the float row kernel (qlinear) with each weight read from memory once per
-// call (the lead's check, the same weights grouped by shape, with the prefetch below): 11.8 / 8.7 ms
+// call (the lead's check, the same weights grouped by shape, with the prefetch below): 11.8 / 9.0 ms
 // at 1 row, slower on the 8-bit 2048 x 640 weights (6.6 / 4.2 ms), level or faster on the rest; so
 // decode steps keep the row kernel (quantization/modules.py: INT16_DECODE off).
 constexpr int64_t kDirectRows = 7;
