@@ -250,18 +250,15 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         llm,
         model_name=name,
-        max_batch_size=args.max_batch_size,
-        max_len=args.max_len,
         max_waiting=args.max_waiting,
         api_key=api_key,
         limits=limits,
         allowed_hosts=allowed_hosts,
         log_prompts=args.log_prompts,
-        prefix_cache_gb=args.prefix_cache_gb,
-        prefill_chunk=args.prefill_chunk,
         allowed_origins=allowed_origins or None,
         responses_store=args.responses_store,
         engine=engine,
+        **engine_settings(args),
     )
     # One line per request on stderr (serving/metrics.py: RequestLog).
     handler = logging.StreamHandler(sys.stderr)
@@ -295,6 +292,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The flags that shape the server's engine, as ``serving.state.server_engine``'s keywords: the
+    one list both paths pass (``create_app`` in one process, ``parallel_engine`` on every rank), so
+    that no flag reaches one and not the other. Speculative decoding travels in the ``LLM``."""
+    return dict(
+        max_batch_size=args.max_batch_size,
+        max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_gb=args.prefix_cache_gb,
+    )
+
+
 def parallel_engine(args: argparse.Namespace, llm):
     """Under --tensor-parallel-size: rank 0's ``LeaderEngine`` for the server, or False on the other
     ranks once they have followed it to the end (``generation/ranks.py``); None without it."""
@@ -305,13 +314,7 @@ def parallel_engine(args: argparse.Namespace, llm):
     from ..generation.ranks import LeaderEngine, follow
     from ..serving.state import server_engine
 
-    engine = server_engine(
-        llm,
-        max_batch_size=args.max_batch_size,
-        max_len=args.max_len,
-        prefill_chunk=args.prefill_chunk,
-        prefix_cache_gb=args.prefix_cache_gb,
-    )
+    engine = server_engine(llm, **engine_settings(args))
     if is_leader():
         return LeaderEngine(engine)
     follow(engine)
