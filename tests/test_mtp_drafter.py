@@ -356,6 +356,35 @@ def test_drafter_must_fit_its_target(folders, tmp_path):
         MTPDrafter(target, bf16)
 
 
+def test_split_keys_refused_under_tensor_parallelism(folders, tmp_path):
+    """Under --tensor-parallel-size every rank runs the whole drafter on its own share of the
+    target's cache, and the ranks must draft alike. Where the target layers it reads have their KV
+    heads split over the ranks (E4B's 2 at N=2) the drafter is refused, naming the flags, before
+    any weight is read; where every rank holds them all (E2B's single KV head, replicated) it loads.
+    The rank's share is its ``ShardPlan`` (what ``load`` records); the split load itself needs
+    torchrun (tests/test_distributed_media.py, slow)."""
+    from torchgemma.distributed import ShardPlan
+
+    message = (
+        r"split over 2 ranks \(--tensor-parallel-size 2\): the drafter reads all 2 KV heads of the "
+        r"target's layer \d+ \(sliding_attention\), and each rank holds 1 of them\. Use --speculative ngram"
+    )
+    target_dir, drafter_dir = folders("e4b")
+    target = torchgemma.load(target_dir, attention="eager")
+    target.shard_plan = ShardPlan(target.config.text, size=2, rank=1)
+    unread = copy_drafter(drafter_dir, tmp_path / "unread")
+    (unread / "model.safetensors").unlink()
+    with pytest.raises(DrafterMismatch, match=message):
+        load_drafter(unread, target)
+    with pytest.raises(DrafterMismatch, match=message):  # a loaded drafter (or a GGUF file's)
+        MTPDrafter(target, load_assistant(drafter_dir))
+
+    target_dir, drafter_dir = folders("e2b-centroids")
+    target = torchgemma.load(target_dir, attention="eager")
+    target.shard_plan = ShardPlan(target.config.text, size=2, rank=1)
+    assert load_drafter(drafter_dir, target).target is target
+
+
 # ── GGUF ──────────────────────────────────────────────────────────────────────────────────────
 
 

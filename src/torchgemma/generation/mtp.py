@@ -80,6 +80,29 @@ def check_pair(target: ModelConfig, drafter: AssistantConfig) -> None:
             )
 
 
+def check_split(target: Gemma, drafter: AssistantConfig) -> None:
+    """Under tensor parallelism (``target.shard_plan``, ``torchgemma.distributed``), raise
+    ``DrafterMismatch`` unless each rank holds all the KV heads of the target layers the drafter
+    reads. Every rank runs the whole drafter on its own share of the target's cache, and the ranks
+    must draft the same tokens to verify them in the same forward passes (``generation/ranks.py``):
+    that holds where those layers' KV heads are whole on every rank (a single KV head, replicated:
+    E2B's), not where they are split (each rank would attend to other heads, and the drafter was
+    made for all of them)."""
+    plan = getattr(target, "shard_plan", None)
+    if plan is None:
+        return
+    for kind, index in source_layers(plan.text, drafter.text).items():
+        total = plan.text.layers[index].num_kv_heads
+        first, end = plan.layers[index].kv_heads
+        if end - first != total:
+            raise DrafterMismatch(
+                f"speculative decoding with an MTP drafter (--speculative mtp:...) cannot run on a model "
+                f"split over {plan.size} ranks (--tensor-parallel-size {plan.size}): the drafter reads all "
+                f"{total} KV heads of the target's layer {index} ({kind}), and each rank holds {end - first} "
+                "of them. Use --speculative ngram (speculative='ngram'), or the model in one process"
+            )
+
+
 class MTPDrafter:
     """Drafts with a Gemma 4 MTP drafter: ``propose(requests, cache)`` for the speculative engine.
 
@@ -91,6 +114,7 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, target: Gemma, drafter: Assistant):
+        check_split(target, drafter.config)
         check_pair(target.config, drafter.config)
         if (drafter.dtype, drafter.device) != (target.dtype, target.device):
             raise DrafterMismatch(
@@ -163,7 +187,9 @@ def load_drafter(
         return MTPDrafter(target, source_or_model)
     path = Path(source_or_model).expanduser()
     if path.is_dir():
-        check_pair(target.config, AssistantConfig.from_file(path))
+        config = AssistantConfig.from_file(path)
+        check_split(target, config)
+        check_pair(target.config, config)
     drafter = load_assistant(
         source_or_model, dtype=target.dtype, device=target.device, attention=attention or target.attention
     )
