@@ -202,3 +202,58 @@ def test_server_under_torchrun_speculates_as_one_process(media_llm_checkpoints, 
         line for line in metrics.splitlines() if line.startswith("torchgemma_speculative_draft_tokens")
     ]
     assert drafted and float(drafted[0].split()[-1]) > 0, drafted
+
+
+def _counter(metrics: str, name: str) -> float:
+    lines = [line for line in metrics.splitlines() if line.startswith(name + " ")]
+    assert lines, f"{name} not in /metrics"
+    return float(lines[0].split()[-1])
+
+
+@pytest.mark.slow
+def test_server_under_torchrun_drafts_with_mtp_as_one_process(tmp_path):
+    """`serve --tensor-parallel-size 2 --speculative mtp:DRAFTER`: on an E2B-like pair (a single KV
+    head, which every rank holds whole) each rank runs the whole drafter on the same state, so the
+    ranks draft alike: drafts are accepted and rejected, and the greedy completion is one process's
+    without speculation. On an E4B-like pair (2 KV heads, one per rank) the drafter is refused,
+    naming the flags (generation/mtp.py's check_split)."""
+    from assistant_checkpoints import build_drafter, make_echo_pair
+    from llm_fixtures import build_llm_checkpoint
+    from tokenizer_fixtures import VOCAB_SIZE
+    from torchgemma.llm import LLM
+
+    def pair(style: str):
+        target = build_llm_checkpoint(tmp_path / f"{style}-target", style)
+        drafter = build_drafter(
+            tmp_path / f"{style}-drafter", style, text_overrides={"vocab_size": VOCAB_SIZE}
+        )
+        # Drafts accepted now and then, and rejected (11 of 20 accepted in one process).
+        make_echo_pair(target, drafter, embed_scale=2.5)
+        return target, drafter
+
+    target, drafter = pair("e2b")
+    prompt = "Hello there"
+    want = LLM(target, prefix_cache_gb=0).generate(prompt, temperature=0, max_new_tokens=24)
+    with torchrun_server(target, tmp_path, 2, "--speculative", f"mtp:{drafter}") as url:
+        got = _ask(url, "completions", dict(prompt=prompt, temperature=0, max_tokens=24))
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text
+    assert got["choices"][0]["text"] == want
+    accepted = _counter(metrics, "torchgemma_speculative_accepted_tokens_total")
+    assert 0 < accepted < _counter(metrics, "torchgemma_speculative_draft_tokens_total")
+
+    target, drafter = pair("e4b")
+    argv = ["generate", "--model", str(target), "--max-new-tokens", "4", "-q", prompt]
+    argv += ["--speculative", f"mtp:{drafter}", "--tensor-parallel-size", "2"]
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    refused = subprocess.run(
+        [sys.executable, *launcher, "-m", "torchgemma.cli", *argv],
+        env=rank_env(0, 1, 0),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0
+    assert "cannot run on a model split over 2 ranks (--tensor-parallel-size 2)" in refused.stderr, (
+        refused.stderr[-3000:]
+    )
+    assert "Use --speculative ngram" in refused.stderr
