@@ -48,16 +48,17 @@ INT_BOUNDED_ROWS = 6
 # beat the float row kernel. Gemma 3 270M's 126 layer weights per decode step (Zen 4 with VNNI, thread
 # CPU time, int16 / float row kernel): 1 thread 29.5 / 29.5 ms at 6 rows, 30.1 / 34.7 at 8, 34.4 / 48.8
 # at 12, 44.9 / 67.0 at 16; 2 threads 21.6 / 20.6 at 8, 22.8 / 33.2 at 16. Fewer rows (single-stream
-# decode) keep the float row kernel, which repacks nothing (int16 23.6 / 10.0 ms at 1 row). The greedy
-# head keeps DENSE_ROWS: its candidates are the row kernel's values.
+# decode) keep the float row kernel (int16 through the interleaved tiles 23.6 / 10.0 ms at 1 row; in
+# place, see INT16_DECODE). The greedy head keeps DENSE_ROWS: its candidates are the row kernel's values.
 INT_ROWS = 8
 # Off by default (an experiment, issue 29): True sends calls of fewer than ``int_rows`` float32 rows
 # (decode steps) through qlinear_int with int16 activations instead of the float row kernel, for
 # weights that take integer activations (activation_bits set). Where the CPU has AVX-512 VNNI, calls of
-# up to 7 rows read the stored integers in place (int_products.cpp): 1.35x the row kernel's speed on the
-# 270M's layers at 1 row, 1 thread (Zen 4) with weights in cache, but 0.76x read from memory (11.8 /
-# 9.0 ms per step, the 8-bit 2048 x 640 weights 6.6 / 4.2); elsewhere they interleave the weight per
-# call, slower than the row kernel. Decode through it ran at 26-31 tok/s against 35-40 (1 thread).
+# up to 7 rows read the stored integers in place (int_products.cpp). On the 270M's layers at 1 row, 1
+# thread (Zen 4), its author measured 7.3 / 9.8 ms per step against the row kernel; the lead, each
+# weight read once per call, 11.8 / 9.0 (the 8-bit 2048 x 640 weights 6.6 / 4.2). Elsewhere they
+# interleave the weight per call, slower than the row kernel. Decode through it ran at 26-31 tok/s
+# against 35-40 (1 thread).
 INT16_DECODE = False
 
 
