@@ -445,7 +445,9 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     }
 #endif
     // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
-    // activation row passes over them.
+    // activation row passes over them. (Prefetching the next slab's rows while this one is computed
+    // changed nothing measurable: 16 rows through the 270M's head, 39.5 -> 38.3 ms at one thread,
+    // 21.7 -> 21.5 at two; through its 126 layer weights, 48.2 -> 46.6 and 32.8 -> 32.6.)
     constexpr int64_t kGroups = kTileGroups;
     const int64_t slabs = (N + kGroups * kIntRows - 1) / (kGroups * kIntRows);
     // Tasks of up to 8 slabs from a shared counter (parallel_tasks: a thread taken off its core holds
