@@ -308,6 +308,37 @@ def test_integer_activation_products_do_not_depend_on_the_thread_count():
         assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_products_do_not_depend_on_how_the_threads_share_the_rows(threads):
+    """The row kernel, the greedy head's bounds and both integer products hand out tasks of rows per
+    thread (each thread's own share first, then what is left of the others'): over rows that split
+    unevenly into tasks and shares, more threads than cores included (so threads take others'
+    tasks), every row is computed once and gives one thread's bits."""
+    ensure_kernels()
+    x, q, scales, offsets, bits, group = _i8_inputs(8, 32, False, torch.float16, 16, 3001, 256, seed=6)
+    norms = torch.ops.torchgemma.row_norms(q, scales, bits, group)
+    ops = torch.ops.torchgemma
+
+    def products():
+        return [
+            ops.qlinear(x[:1], q, scales, offsets, bits, group),
+            ops.qlinear(x[:3], q, scales, offsets, bits, group),
+            *ops.qlinear_bounds(x[:1], q, scales, offsets, bits, group, norms),
+            ops.qlinear_int(x, q, scales, offsets, bits, group, 8),
+            ops.qlinear_int(x[:2], q, scales, offsets, bits, group, 16),
+        ]
+
+    one = products()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            many = products()
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+
+
 # The weight formats of the GGUF loader (Q8_0, Q6_K as 8-bit groups of 16, Q4_K, Q5_K/Q5_0 as 5-bit) and a
 # group of 64, with the scale dtypes the loader stores.
 FEW_ROW_CASES = [

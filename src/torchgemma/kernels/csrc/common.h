@@ -63,12 +63,15 @@
 
 namespace torchgemma::TG_ISA {
 
-// A scale or min as float32 (exact from float16).
-// body(begin, end) over [0, n) in tasks of `task` items that the threads take in turn from a shared
-// counter. at::parallel_for gives each thread an equal share up front, so a thread the OS takes
-// off its core (a server's event loop, a client on the same cores) holds the others at the end of
-// the call for its whole share; here the others take its remaining tasks. Each item is computed by
-// one task whatever thread runs it: the same bits as one thread.
+// body(begin, end) over [0, n) in tasks of `task` items. at::parallel_for gives each thread an equal
+// share up front, so a thread the OS takes off its core (a server's event loop, a client on the same
+// cores) holds the others at the end of the call for its whole share; here each thread takes the
+// tasks of its own share in order from a counter, and then those left in the others' shares. A
+// thread's tasks are thus one run of memory while the threads keep up, which the hardware
+// prefetches as a stream: tasks handed out in turn from one counter restart each thread's streams
+// at every task (the 270M's greedy head, two threads: 7.4-8.2 ms against 5.4-5.8 in runs of 512
+// rows and more). Each item is computed by one task whatever thread runs it: the same bits as one
+// thread.
 template <typename F>
 void parallel_tasks(int64_t n, int64_t task, const F& body) {
   if (n <= 0) return;
@@ -79,13 +82,20 @@ void parallel_tasks(int64_t n, int64_t task, const F& body) {
     body(0, n);
     return;
   }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1))
-      body(t * task, std::min(n, (t + 1) * task));
+  const auto share_end = [&](int64_t s) { return (s + 1) * tasks / threads; };
+  std::vector<std::atomic<int64_t>> next(threads);
+  for (int64_t s = 0; s < threads; ++s) next[s].store(s * tasks / threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t self = first; self < last; ++self)
+      for (int64_t k = 0; k < threads; ++k) {
+        const int64_t s = (self + k) % threads;
+        for (int64_t t = next[s].fetch_add(1); t < share_end(s); t = next[s].fetch_add(1))
+          body(t * task, std::min(n, (t + 1) * task));
+      }
   });
 }
 
+// A scale or min as float32 (exact from float16).
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) {
 #ifdef TG_AVX2
