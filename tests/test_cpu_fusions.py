@@ -103,10 +103,22 @@ def test_decode_attention_gives_a_row_its_own_bits_in_a_batch_and_on_any_thread_
             q[row : row + 1], k[row : row + 1, :, start:end], v[row : row + 1, :, start:end], 0.0625
         )
         assert torch.equal(together[row : row + 1], alone)
+    # A lone piece of many keys (one row, one KV head: a sliding layer's window) shares its key pairs
+    # and value columns over the threads: also with an odd number of keys, a head size that is not a
+    # multiple of 16, and eight heads per KV head.
+    q2, k2, v2 = (
+        torch.randn(1, 8, 1, 72, generator=gen),
+        *torch.randn(2, 1, 1, 301, 72, generator=gen).unbind(0),
+    )
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
+        lone = [decode(q[:1], k[:1, :, :700], v[:1, :, :700], 0.0625), decode(q2, k2, v2, 0.125)]
         torch.set_num_threads(2)
         assert torch.equal(decode(q, k, v, 0.0625, visible), together)
+        assert torch.equal(decode(q[:1], k[:1, :, :700], v[:1, :, :700], 0.0625), lone[0])
+        assert torch.equal(lone[0], together[:1])
+        assert torch.equal(decode(q2, k2, v2, 0.125), lone[1])
     finally:
         torch.set_num_threads(before)
 

@@ -10,9 +10,9 @@ namespace torchgemma::TG_ISA {
 //
 // A decode step's attention: one query per head against S keys, every key seen (no mask), keys
 // and values shared by groups of H / Hkv query heads. softmax(scale * q k^T) v in float32, each
-// group of heads reading its keys and values once, on one thread per (row, KV head): for one token
-// the work is too small to share (scaled_dot_product_attention spends more on its two threads than
-// on the sums). Exponentials by a polynomial good to ~1 ulp, so the result is the exact softmax's
+// group of heads reading its keys and values once, on one thread per (row, KV head, piece of keys):
+// for one token the work is small, and threads share it only where a lone piece has many keys (a
+// sliding layer's whole window: kSplitKeys). Exponentials by a polynomial good to ~1 ulp, so the result is the exact softmax's
 // to a float32 rounding, not sdpa's bits.
 
 #ifdef TG_AVX2
@@ -52,41 +52,49 @@ inline __m256 hsum8(const __m256 (&a)[8]) {
 // arithmetic is the unsplit softmax's.
 constexpr int64_t kPiece = 1024;
 
+// A lone piece of at least this many keys shares its work over the threads (attend_rows).
+constexpr int64_t kSplitKeys = 256;
+
 // One piece: the G query heads of one KV head against `count` keys (key i at keys + at(i) * kstride,
 // values likewise). Writes each head's largest score (top), sum of exponentials (sum) and the values
 // weighted by them, not yet divided (acc, G x D). `probs` is scratch of at least G * count floats.
 template <typename At>
 void attend_piece(const float* queries, const float* keys, int64_t kstride, const float* values, int64_t vstride,
                   At at, int64_t count, int64_t G, int64_t D, float scale, float* probs, float* top_out,
-                  float* sum_out, float* acc) {
+                  float* sum_out, float* acc, bool split) {
   const int64_t S = count;
   // Scores: every key read once for the group's heads.
   int64_t j0 = 0;
 #ifdef TG_AVX2
   if (G % 4 == 0 && D % 8 == 0) {
     // Two keys x four heads at a time: eight independent chains, summed together at the end.
-    for (; j0 + 2 <= S; j0 += 2) {
-      const float* key0 = keys + at(j0) * kstride;
-      const float* key1 = keys + at(j0 + 1) * kstride;
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        __m256 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 a0 = _mm256_loadu_ps(key0 + d), a1 = _mm256_loadu_ps(key1 + d);
+    const auto pairs = [&](int64_t p0, int64_t p1) {
+      for (int64_t j = 2 * p0; j < 2 * p1; j += 2) {
+        const float* key0 = keys + at(j) * kstride;
+        const float* key1 = keys + at(j + 1) * kstride;
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          __m256 a[8];
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 a0 = _mm256_loadu_ps(key0 + d), a1 = _mm256_loadu_ps(key1 + d);
+            for (int i = 0; i < 4; ++i) {
+              const __m256 qv = _mm256_loadu_ps(queries + (g0 + i) * D + d);
+              a[i] = _mm256_fmadd_ps(qv, a0, a[i]);
+              a[4 + i] = _mm256_fmadd_ps(qv, a1, a[4 + i]);
+            }
+          }
+          alignas(32) float dots[8];
+          _mm256_store_ps(dots, hsum8(a));
           for (int i = 0; i < 4; ++i) {
-            const __m256 qv = _mm256_loadu_ps(queries + (g0 + i) * D + d);
-            a[i] = _mm256_fmadd_ps(qv, a0, a[i]);
-            a[4 + i] = _mm256_fmadd_ps(qv, a1, a[4 + i]);
+            probs[(g0 + i) * S + j] = dots[i] * scale;
+            probs[(g0 + i) * S + j + 1] = dots[4 + i] * scale;
           }
         }
-        alignas(32) float dots[8];
-        _mm256_store_ps(dots, hsum8(a));
-        for (int i = 0; i < 4; ++i) {
-          probs[(g0 + i) * S + j0] = dots[i] * scale;
-          probs[(g0 + i) * S + j0 + 1] = dots[4 + i] * scale;
-        }
       }
-    }
+    };
+    if (split) at::parallel_for(0, S / 2, 64, pairs);
+    else pairs(0, S / 2);
+    j0 = S / 2 * 2;
   }
 #endif
   for (int64_t j = j0; j < S; ++j) {
@@ -126,25 +134,30 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
 #ifdef TG_AVX2
   if (G % 4 == 0) {
     // Sixteen values of four heads held in registers across all keys.
-    for (; d0 + 16 <= D; d0 += 16) {
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        __m256 a[4][2];
-        for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < S; ++j) {
-          const float* value = values + at(j) * vstride + d0;
-          const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
+    const auto columns = [&](int64_t c0, int64_t c1) {
+      for (int64_t d = 16 * c0; d < 16 * c1; d += 16) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          __m256 a[4][2];
+          for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+          for (int64_t j = 0; j < S; ++j) {
+            const float* value = values + at(j) * vstride + d;
+            const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
+            for (int i = 0; i < 4; ++i) {
+              const __m256 w = _mm256_broadcast_ss(&probs[(g0 + i) * S + j]);
+              a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
+              a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+            }
+          }
           for (int i = 0; i < 4; ++i) {
-            const __m256 w = _mm256_broadcast_ss(&probs[(g0 + i) * S + j]);
-            a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+            _mm256_storeu_ps(acc + (g0 + i) * D + d, a[i][0]);
+            _mm256_storeu_ps(acc + (g0 + i) * D + d + 8, a[i][1]);
           }
         }
-        for (int i = 0; i < 4; ++i) {
-          _mm256_storeu_ps(acc + (g0 + i) * D + d0, a[i][0]);
-          _mm256_storeu_ps(acc + (g0 + i) * D + d0 + 8, a[i][1]);
-        }
       }
-    }
+    };
+    if (split) at::parallel_for(0, D / 16, 1, columns);
+    else columns(0, D / 16);
+    d0 = D / 16 * 16;
   }
 #endif
   for (int64_t j = 0; j < S; ++j) {
@@ -173,7 +186,12 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  at::parallel_for(0, Hkv * pieces, 1, [&](int64_t begin, int64_t end) {
+  // One task of many keys (one row, one KV head, one piece: a sliding layer's window) with threads to
+  // spare: its scores (key pairs) and its weighted values (columns of 16) are shared over the threads
+  // instead, each value still computed whole by one thread (the same bits).
+  const int64_t tasks = Hkv * pieces;
+  const bool split = tasks == 1 && widest >= kSplitKeys && at::get_num_threads() > 1 && !at::in_parallel_region();
+  const auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> probs(G * std::min(widest, kPiece));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kh = task / pieces, piece = task % pieces;
@@ -188,13 +206,15 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       if (!columns.empty()) {
         const int64_t* cols = columns[b].data() + lo;
         attend_piece(queries, keys, k.stride(2), values, v.stride(2), [cols](int64_t j) { return cols[j]; }, count,
-                     G, D, scale, probs.data(), top, sum, acc);
+                     G, D, scale, probs.data(), top, sum, acc, split);
       } else {
         attend_piece(queries, keys, k.stride(2), values, v.stride(2), [lo](int64_t j) { return lo + j; }, count, G,
-                     D, scale, probs.data(), top, sum, acc);
+                     D, scale, probs.data(), top, sum, acc, split);
       }
     }
-  });
+  };
+  if (split) run(0, 1);
+  else at::parallel_for(0, tasks, 1, run);
   // Each (row, KV head): its pieces combined in order, then divided by the weights' sum.
   at::Tensor out = at::empty({B, 1, H, D}, q.options());
   float* op = out.data_ptr<float>();
