@@ -36,6 +36,19 @@ from torchgemma.quantization.modules import BOUNDED_ROWS, DENSE_ROWS, INT_BOUNDE
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@contextlib.contextmanager
+def _threads(count: int):
+    """The body on ``count`` torch threads under inference mode (its tensors made on the workers),
+    then the thread count before it again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def random_ints(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if bits == 8:
@@ -109,12 +122,8 @@ def test_dense_product_is_the_float32_product_of_the_dequantized_weight(bits, gr
     assert out.shape == (2, 17, n) and out.dtype == torch.float32
     assert (out.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
     # Two threads, each with slabs of its own, under inference mode (its tensors made on the workers)
-    torch.set_num_threads(2)
-    try:
-        with torch.inference_mode():
-            threaded = torch.ops.torchgemma.qlinear_dense(x, q, scales, offsets, bits, group)
-    finally:
-        torch.set_num_threads(1)
+    with _threads(2):
+        threaded = torch.ops.torchgemma.qlinear_dense(x, q, scales, offsets, bits, group)
     assert (threaded.double() - exact).abs().max() <= 2e-5 * exact.abs().max()
 
 
@@ -299,12 +308,8 @@ def test_integer_activation_products_do_not_depend_on_the_thread_count():
     args = _i8_inputs(5, 32, True, torch.float16, 37, 200, 320, seed=4)
     for x_bits in (8, 16):
         one = torch.ops.torchgemma.qlinear_int(*args, x_bits)
-        torch.set_num_threads(2)
-        try:
-            with torch.inference_mode():
-                two = torch.ops.torchgemma.qlinear_int(*args, x_bits)
-        finally:
-            torch.set_num_threads(1)
+        with _threads(2):
+            two = torch.ops.torchgemma.qlinear_int(*args, x_bits)
         assert torch.equal(one, two)
 
 
@@ -329,12 +334,8 @@ def test_products_do_not_depend_on_how_the_threads_share_the_rows(threads):
         ]
 
     one = products()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            many = products()
-    finally:
-        torch.set_num_threads(1)
+    with _threads(threads):
+        many = products()
     for a, b in zip(one, many):
         assert torch.equal(a, b)
 
