@@ -275,12 +275,14 @@ def test_rings_as_long_as_the_cache_are_read_in_place_with_the_gathered_bits(
     assert in_place == copied
 
 
-@pytest.mark.parametrize("source", ["gemma3-gguf", "e2b", "31b-int8"])
+@pytest.mark.parametrize("source", ["gemma3-gguf", "e2b", "e2b-int8", "31b-int8"])
 def test_the_fused_decoder_layer_gives_the_layers_bits(text_checkpoints, tmp_path, source, monkeypatch):
     """A fused model's decoder layers run their one-token calls (the decode steps, rows of their own
     lengths included) through FusedDecoderLayer's direct calls, with the logits of DecoderLayer's own
-    forward to the bit: a Gemma 3 GGUF (as loaded: quantized, fused), a float32 Gemma 4 E2B (per-layer
-    inputs, KV-shared layers, value norms) and a Gemma 4 31B quantized to int8 (K=V layers)."""
+    forward to the bit: a Gemma 3 GGUF (as loaded: quantized, fused), a Gemma 4 E2B in float32 and
+    quantized to int8 (per-layer inputs, KV-shared layers, value norms) and a Gemma 4 31B quantized
+    to int8 (K=V layers). Quantized layers take the two C++ calls around their attention
+    (decode_layer_qkv where a layer makes its own keys, decode_layer_output); float32 ones do not."""
     if source == "gemma3-gguf":
         from gguf_fixtures import random_model, write_gguf
 
@@ -290,7 +292,8 @@ def test_the_fused_decoder_layer_gives_the_layers_bits(text_checkpoints, tmp_pat
     elif source == "e2b":
         model = fuse_cpu_ops(torchgemma.load(text_checkpoints["e2b"], dtype=torch.float32))
     else:
-        model = torchgemma.quantize(torchgemma.load(text_checkpoints["31b"], dtype=torch.float32), "int8")
+        name = source.removesuffix("-int8")
+        model = torchgemma.quantize(torchgemma.load(text_checkpoints[name], dtype=torch.float32), "int8")
     layers = model.language_model.layers
     assert all(type(layer) is FusedDecoderLayer for layer in layers)
     ids, mask = padded_batch(seed=5)
@@ -306,11 +309,31 @@ def test_the_fused_decoder_layer_gives_the_layers_bits(text_checkpoints, tmp_pat
             steps.append(model(ids[:, 15:16], cache=cache))
         return torch.cat([step[:, -1] for step in steps])
 
-    calls = []
-    attend = cpu_fusions._attend
-    monkeypatch.setattr(cpu_fusions, "_attend", lambda *args: calls.append(1) or attend(*args))
+    calls = {"attend": 0, "qkv": 0, "output": 0}
+
+    def counted(name, function):
+        def call(*args):
+            calls[name] += 1
+            return function(*args)
+
+        return call
+
+    monkeypatch.setattr(cpu_fusions, "_attend_to", counted("attend", cpu_fusions._attend_to))
+    monkeypatch.setattr(cpu_fusions, "_DECODE_LAYER_QKV", counted("qkv", cpu_fusions._DECODE_LAYER_QKV))
+    monkeypatch.setattr(
+        cpu_fusions, "_DECODE_LAYER_OUTPUT", counted("output", cpu_fusions._DECODE_LAYER_OUTPUT)
+    )
     fused = run()
-    assert len(calls) == 7 * len(layers)  # every one-token call of every layer, no prefill
+    assert calls["attend"] == 7 * len(layers)  # every one-token call of every layer, no prefill
+    if source == "e2b":
+        assert calls["qkv"] == calls["output"] == 0
+    elif source == "gemma3-gguf":  # the fixture mixes float32 and quantized products: some of each path
+        assert 0 < calls["qkv"] < calls["attend"] and 0 < calls["output"] < calls["attend"]
+    else:
+        own_keys = sum(layer.self_attn.spec.kv_role != "reuse" for layer in layers)
+        assert (calls["qkv"], calls["output"]) == (7 * own_keys, 7 * len(layers))
+        # E2B's KV-shared layers make only their queries, in Python
+        assert (own_keys < len(layers)) == (source == "e2b-int8")
     for layer in layers:
         layer.__class__ = DecoderLayer
     assert torch.equal(fused, run())

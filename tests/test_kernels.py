@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from torchgemma import kernels
 from torchgemma.kernels import ensure_kernels
+from torchgemma.kernels import ops as kernel_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,7 +103,44 @@ def samples(name: str) -> list[tuple]:
         visible = torch.rand(2, 33, generator=gen) < 0.8
         visible[:, -1] = True
         out.append((q, k, v, 0.125, visible, torch.tensor([2, 0]), torch.tensor([30, 4])))
+    elif name in ("decode_layer_qkv", "decode_layer_output"):
+        out += _layer_samples(name, gen)
     return out
+
+
+def _layer_product(bits, group, mins, dtype, n, k, seed) -> tuple[list, list]:
+    return list(_weight(bits, group, mins, dtype, n=n, k=k, seed=seed)), [bits, group]
+
+
+def _layer_samples(name: str, gen: torch.Generator) -> list[tuple]:
+    """decode_layer_*'s arguments: 2 rows of one token, hidden 128, 4 query heads and 2 KV heads of 32
+    values, products of mixed formats (float16 and float32 scales, with and without mins)."""
+    x = torch.randn(2, 1, 128, generator=gen)
+    norm = torch.randn(128, generator=gen) * 0.3
+    head_norm = torch.randn(32, generator=gen) * 0.3
+    if name == "decode_layer_output":
+        formats = [(8, 32, False, torch.float16, 128, 128), (4, 32, True, torch.float32, 256, 128)]
+        formats += [(8, 16, False, torch.float32, 256, 128), (8, 32, False, torch.float16, 128, 256)]
+        products, shapes = [], []
+        for i, case in enumerate(formats):
+            tensors, fmt = _layer_product(*case, seed=10 + i)
+            products += tensors
+            shapes += fmt
+        attended = torch.randn(2, 1, 4, 32, generator=gen)
+        norms = [norm, torch.randn(128, generator=gen) * 0.3, norm.flip(0)]
+        return [(x, attended, products, shapes, norms, [1e-6, 1e-5, 1e-6], [1, 0, 1])]
+    angles = torch.rand(2, 1, 16, generator=gen) * 100
+    cos, sin = angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2)
+    q, qf = _layer_product(8, 32, False, torch.float16, 128, 128, seed=20)
+    k, kf = _layer_product(4, 32, True, torch.float32, 64, 128, seed=21)
+    v, vf = _layer_product(8, 16, False, torch.float32, 64, 128, seed=22)
+    norms = [norm, head_norm, head_norm.flip(0)]
+    return [
+        # q, k and v with a norm each but v's (Gemma 3)
+        (x, cos, sin, q + k + v, qf + kf + vf, norms, [1e-6] * 3, [1, 1, 1], 32),
+        # values that are the keys' projection, then a value norm without a weight (Gemma 4's K=V layers)
+        (x, cos, sin, q + k + [None] * 3, qf + kf + [0, 0], norms + [None], [1e-6] * 4, [0, 0, 0, 0], 32),
+    ]
 
 
 def test_the_table_holds_every_operator():
@@ -111,6 +149,7 @@ def test_the_table_holds_every_operator():
     assert set(OPS) == {
         "qlinear", "dequantize", "qlinear_dense", "qlinear_int", "qlinear_bounds", "row_norms",
         "bounded_candidates", "rms_norm", "rope", "decode_attention", "decode_attention_ring",
+        "decode_layer_qkv", "decode_layer_output",
     }  # fmt: skip
     for name, op in OPS.items():
         assert callable(op.fake) and callable(op.reference)
@@ -209,6 +248,28 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
             ).transpose(1, 2)
             assert (ours.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
             assert (reference.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
+        elif name in ("decode_layer_qkv", "decode_layer_output"):
+            # The kernels above, called one by one in the reference's order: their bits. The
+            # reference (its products through the BLAS) within float32 rounding of them.
+            separately = _layer_by_operators(name, args)
+            triples = (
+                zip(ours, separately, reference)
+                if isinstance(ours, tuple)
+                else [(ours, separately, reference)]
+            )
+            for a, b, c in triples:
+                assert torch.equal(a, b), name
+                assert a.shape == c.shape and a.stride() == c.stride()
+                assert torch.allclose(a, c, rtol=1e-4, atol=1e-4 * c.abs().max().item()), name
+
+
+def _layer_by_operators(name: str, args: tuple):
+    """decode_layer_*'s reference with the references of its kernels swapped for the C++ kernels."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_ops, "_qlinear_reference", torch.ops.torchgemma.qlinear)
+        patch.setattr(kernel_ops, "_rms_norm_reference", torch.ops.torchgemma.rms_norm)
+        patch.setattr(kernel_ops, "_rope_reference", torch.ops.torchgemma.rope)
+        return OPS[name].reference(*args)
 
 
 _PRODUCT_CASES = [(8, 32, False), (8, 16, False), (8, 64, True), (4, 32, True), (5, 32, True)]
@@ -240,7 +301,7 @@ def _products() -> dict[str, torch.Tensor]:
             out[f"dequantize/{bits}/{group}/{scale_dtype}"] = torch.ops.torchgemma.dequantize(*args)
     for name in (
         "qlinear_bounds", "row_norms", "bounded_candidates", "rms_norm", "rope", "decode_attention",
-        "decode_attention_ring",
+        "decode_attention_ring", "decode_layer_qkv", "decode_layer_output",
     ):  # fmt: skip
         for i, call in enumerate(samples(name)):
             result = getattr(torch.ops.torchgemma, name)(*call)

@@ -168,16 +168,31 @@ class FusedDecoderLayer(DecoderLayer):
             return super().forward(x, per_layer_input, inputs, shared_kv, cache, step)
         parts = self._modules
         attention = parts["self_attn"]
-        normed = _norm(parts["input_layernorm"], x)
         if _hooked(attention):
-            attended = attention(normed, inputs, shared_kv, cache, step)
+            attended = attention(_norm(parts["input_layernorm"], x), inputs, shared_kv, cache, step)
+            x = _after_attention(parts, x, attended)
         else:
-            attended = _attend(attention, normed, inputs, shared_kv, cache, step)
-        x = x + _norm(parts["post_attention_layernorm"], attended)
-
-        residual = x
-        ffw = _mlp(parts["mlp"], _norm(parts["pre_feedforward_layernorm"], residual))
-        x = residual + _norm(parts["post_feedforward_layernorm"], ffw)
+            # Quantized parts (float32 rows on the CPU) run as two C++ calls around the attention
+            # (decode_layer_qkv, decode_layer_output): the same kernels in the same order as the
+            # Python path beside each, one dispatch each.
+            fused = x.dtype is torch.float32 and x.is_cpu and ensure_kernels()
+            qkv = _qkv_arguments(attention, parts["input_layernorm"], x, inputs) if fused else None
+            if qkv is None:
+                normed = _norm(parts["input_layernorm"], x)
+                query, key, value = _attention_inputs(attention, normed, inputs, shared_kv)
+            else:
+                query, key, value = _DECODE_LAYER_QKV(
+                    x, inputs.cos, inputs.sin, *qkv, attention.spec.head_dim
+                )
+            attended = _attend_to(
+                attention, query, key, value, inputs, shared_kv, cache, step
+            )  # (B, T, H, D)
+            tail = _output_arguments(parts, attention, x.shape[0] * x.shape[1]) if fused else None
+            if tail is None:
+                projected = _call(attention._modules["o_proj"], attended.reshape(*x.shape[:2], -1))
+                x = _after_attention(parts, x, projected)
+            else:
+                x = _DECODE_LAYER_OUTPUT(x, attended, *tail)
         if per_layer_input is not None:
             gate = gelu_tanh(_call(parts["per_layer_input_gate"], x)) * per_layer_input
             x = x + _norm(parts["post_per_layer_input_norm"], _call(parts["per_layer_projection"], gate))
@@ -185,29 +200,124 @@ class FusedDecoderLayer(DecoderLayer):
         return x if scalar is None else x * scalar
 
 
-def _attend(attention: Attention, x, inputs, shared_kv, cache, step) -> torch.Tensor:
-    """``Attention.forward`` for one token per row (``inputs.queries`` None), its parts called directly."""
+def _after_attention(parts, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """DecoderLayer.forward from the attention's output (o_proj applied) to the feedforward's residual."""
+    x = x + _norm(parts["post_attention_layernorm"], attended)
+    residual = x
+    ffw = _mlp(parts["mlp"], _norm(parts["pre_feedforward_layernorm"], residual))
+    return residual + _norm(parts["post_feedforward_layernorm"], ffw)
+
+
+def _attention_inputs(attention: Attention, x, inputs, shared_kv):
+    """Attention.forward's query (B, H, T, D), keys and values (B, Hkv, T, D): this call's own, or a
+    KV-sharing layer's source's (already stored)."""
     spec, parts = attention.spec, attention._modules
     batch, length, _ = x.shape
     query = _norm(parts["q_norm"], _call(parts["q_proj"], x).view(batch, length, -1, spec.head_dim))
     query = attention.rope(query, inputs.cos, inputs.sin).transpose(1, 2)  # (B, H, T, D)
-    backend = attention.backends[attention.backend]
     if spec.kv_role == "reuse":
         key, value = shared_kv[spec.kv_source]
-    else:
-        key = _call(parts["k_proj"], x).view(batch, length, -1, spec.head_dim)
-        v_proj, v_norm = parts.get("v_proj"), parts.get("v_norm")
-        value = key if v_proj is None else _call(v_proj, x).view(batch, length, -1, spec.head_dim)
-        key = attention.rope(_norm(parts["k_norm"], key), inputs.cos, inputs.sin).transpose(1, 2)
-        if v_norm is not None:
-            value = _norm(v_norm, value)
-        value = value.transpose(1, 2)
+        return query, key, value
+    key = _call(parts["k_proj"], x).view(batch, length, -1, spec.head_dim)
+    v_proj, v_norm = parts.get("v_proj"), parts.get("v_norm")
+    value = key if v_proj is None else _call(v_proj, x).view(batch, length, -1, spec.head_dim)
+    key = attention.rope(_norm(parts["k_norm"], key), inputs.cos, inputs.sin).transpose(1, 2)
+    if v_norm is not None:
+        value = _norm(v_norm, value)
+    return query, key, value.transpose(1, 2)
+
+
+def _attend_to(attention: Attention, query, key, value, inputs, shared_kv, cache, step) -> torch.Tensor:
+    """The rest of Attention.forward before o_proj: new keys and values stored (the cache, a source
+    layer's share), then the backend's (B, T, H, D)."""
+    spec = attention.spec
+    backend = attention.backends[attention.backend]
+    if spec.kv_role != "reuse":
         if cache is not None:
             key, value = cache.update(key, value, step, getattr(backend, "reads_rings", False))
         if spec.kv_role == "store":
             shared_kv[spec.index] = (key, value)
-    out = backend(query, key, value, inputs, attention.scale)  # (B, T, H, D)
-    return _call(parts["o_proj"], out.reshape(batch, length, -1))
+    return backend(query, key, value, inputs, attention.scale)
+
+
+def _products(modules, rows: int) -> tuple[list, list] | None:
+    """``decode_layer_*``'s products for ``modules`` (None: a layer without that product): each one's
+    (qweight, scales, mins) and (bits, group size), where ``rows`` float32 rows take it through the
+    row kernel (a quantized linear's ``decode_product``); None if one is anything else (dense, hooked,
+    taking integer activations at this many rows)."""
+    tensors, formats = [], []
+    for module in modules:
+        if module is None:
+            tensors += (None, None, None)
+            formats += (0, 0)
+            continue
+        product = getattr(type(module), "decode_product", None)
+        found = None if product is None or _hooked(module) else product(module, rows)
+        if found is None:
+            return None
+        tensors += found[:3]
+        formats += found[3:]
+    return tensors, formats
+
+
+def _norm_arguments(norms) -> tuple[list, list, list] | None:
+    """``decode_layer_*``'s norms: each FusedRMSNorm's weight (or None), eps and plus_one; None if
+    one is anything else or hooked."""
+    weights, eps, plus_one = [], [], []
+    for norm in norms:
+        if type(norm) is not FusedRMSNorm or _hooked(norm):
+            return None
+        weights.append(norm._parameters.get("weight"))
+        eps.append(norm.eps)
+        plus_one.append(1 if norm.plus_one else 0)
+    return weights, eps, plus_one
+
+
+def _output_arguments(parts, attention: Attention, rows: int) -> tuple | None:
+    """``decode_layer_output``'s lists for this layer (``rows`` float32 rows on the CPU), or None where its
+    Python path must run (hooks, activation sparsity, products that are not the row kernel's)."""
+    mlp = parts["mlp"]
+    if mlp.activation_sparsity > 0 or _hooked(mlp):
+        return None
+    layers = mlp._modules
+    products = _products(
+        (attention._modules["o_proj"], layers["gate_proj"], layers["up_proj"], layers["down_proj"]), rows
+    )
+    norms = _norm_arguments(
+        (
+            parts["post_attention_layernorm"],
+            parts["pre_feedforward_layernorm"],
+            parts["post_feedforward_layernorm"],
+        )
+    )
+    return None if products is None or norms is None else (*products, *norms)
+
+
+def _qkv_arguments(attention: Attention, input_norm: nn.Module, x: torch.Tensor, inputs) -> tuple | None:
+    """``decode_layer_qkv``'s lists, or None where Attention's inputs take their Python path (a
+    KV-sharing layer, another rotation, tables of another dtype or shape, parts as above)."""
+    spec, parts = attention.spec, attention._modules
+    batch, length, _ = x.shape
+    cos, sin = inputs.cos, inputs.sin
+    if (
+        spec.kv_role == "reuse"
+        or attention.rope is not fused_rope
+        or cos.dtype is not torch.float32
+        or sin.dtype is not torch.float32
+        or cos.shape != (batch, length, spec.head_dim)
+        or sin.shape != cos.shape
+    ):
+        return None
+    products = _products((parts["q_proj"], parts["k_proj"], parts.get("v_proj")), batch * length)
+    v_norm = parts.get("v_norm")
+    norms = _norm_arguments(
+        (input_norm, parts["q_norm"], parts["k_norm"]) + (() if v_norm is None else (v_norm,))
+    )
+    return None if products is None or norms is None else (*products, *norms)
+
+
+_DECODE_LAYER_QKV = torch.ops.torchgemma.decode_layer_qkv.default
+_DECODE_LAYER_OUTPUT = torch.ops.torchgemma.decode_layer_output.default
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ ISAS: dict[str, list[str]] = {
 # The kernel sources, one per operator family, each compiled once per set into namespace
 # torchgemma::<set> (together, as variant.cpp: one translation unit per set); registration.cpp
 # (compiled once, with no set's flags) dispatches between the sets.
-FAMILIES = ("qlinear", "int_products", "greedy_head", "norms_rope", "decode_attention")
+FAMILIES = ("qlinear", "int_products", "greedy_head", "norms_rope", "decode_attention", "decode_layer")
 # -ffp-contract=off: no multiply-add is fused unless the source says so (dequantize computes
 # scale * q, then + min, as GGML does); the sets' bits are equal because their sums are the same
 # operations in the same order.

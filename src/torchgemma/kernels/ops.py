@@ -325,6 +325,64 @@ def _rope_reference(x, cos, sin) -> torch.Tensor:
     return (x * cos[:, :, None] + rotated * sin[:, :, None]).contiguous()
 
 
+def _decode_layer_lists(op: str, products, formats, count: int, norms, eps, plus_one, norm_counts) -> None:
+    if len(products) != 3 * count or len(formats) != 2 * count:
+        raise ValueError(
+            f"{op}: expected {count} products ({3 * count} tensors, {2 * count} formats), got "
+            f"{len(products)} tensors and {len(formats)} formats"
+        )
+    if len(norms) not in norm_counts or len(eps) != len(norms) or len(plus_one) != len(norms):
+        raise ValueError(
+            f"{op}: expected {min(norm_counts)}-{max(norm_counts)} norms with an eps and a plus_one each, got "
+            f"{len(norms)} norms, {len(eps)} eps and {len(plus_one)} plus_one"
+        )
+
+
+def _layer_product(x, products, formats, i: int) -> torch.Tensor:
+    return _qlinear_reference(x, *products[3 * i : 3 * i + 3], *formats[2 * i : 2 * i + 2])
+
+
+def _layer_norm(x, norms, eps, plus_one, i: int) -> torch.Tensor:
+    return _rms_norm_reference(x, norms[i], eps[i], bool(plus_one[i]))
+
+
+def _decode_layer_qkv_reference(x, cos, sin, products, formats, norms, eps, plus_one, head_dim: int):
+    """Attention's inputs for a decode step (csrc/decode_layer.cpp): x normed, projected by q, k and v
+    (products; v None: the keys' projection), each normed (norms: input, q, k, v's where there is one),
+    q and k rotated; (B, H, T, D), (B, Hkv, T, D) twice, as transposed views. The references of the
+    kernels the C++ calls, in its order."""
+    _decode_layer_lists("decode_layer_qkv", products, formats, 3, norms, eps, plus_one, (3, 4))
+    b, t = x.shape[:2]
+    normed = _layer_norm(x, norms, eps, plus_one, 0)
+    query = _layer_norm(
+        _layer_product(normed, products, formats, 0).view(b, t, -1, head_dim), norms, eps, plus_one, 1
+    )
+    projected = _layer_product(normed, products, formats, 1).view(b, t, -1, head_dim)
+    value = (
+        projected
+        if products[6] is None
+        else _layer_product(normed, products, formats, 2).view(b, t, -1, head_dim)
+    )
+    key = _rope_reference(_layer_norm(projected, norms, eps, plus_one, 2), cos, sin)
+    if len(norms) == 4:
+        value = _layer_norm(value, norms, eps, plus_one, 3)
+    return _rope_reference(query, cos, sin).transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _decode_layer_output_reference(x, attended, products, formats, norms, eps, plus_one) -> torch.Tensor:
+    """The layer after attention for a decode step (csrc/decode_layer.cpp): h = x + post_attn(o(attended)),
+    then h + post_ffw(down(gelu_tanh(gate(m)) * up(m))) with m = pre_ffw(h); products o, gate, up,
+    down; norms post-attention, pre-feedforward, post-feedforward."""
+    _decode_layer_lists("decode_layer_output", products, formats, 4, norms, eps, plus_one, (3,))
+    out = _layer_product(attended.reshape(*attended.shape[:2], -1), products, formats, 0)
+    h = x + _layer_norm(out, norms, eps, plus_one, 0)
+    m = _layer_norm(h, norms, eps, plus_one, 1)
+    gated = F.gelu(_layer_product(m, products, formats, 1), approximate="tanh") * _layer_product(
+        m, products, formats, 2
+    )
+    return h + _layer_norm(_layer_product(gated, products, formats, 3), norms, eps, plus_one, 2)
+
+
 def _decode_attention_reference(q, k, v, scale: float, visible=None) -> torch.Tensor:
     """softmax(scale * q k^T) v for one query per head over its keys, q (B, H, 1, D) and k, v
     (B, Hkv, S, D) -> (B, 1, H, D), float32; ``visible`` (B, S) bool: the keys each row sees (None:
@@ -430,6 +488,20 @@ def _bounded_candidates_fake(approx, bound):
     return approx.new_empty((picked,), dtype=torch.int64), counts
 
 
+def _decode_layer_qkv_fake(x, cos, sin, products, formats, norms, eps, plus_one, head_dim):
+    b, t = x.shape[:2]
+
+    def heads(qweight):
+        return x.new_empty((b, t, qweight.shape[0] // head_dim, head_dim)).transpose(1, 2)
+
+    value = products[3] if products[6] is None else products[6]
+    return heads(products[0]), heads(products[3]), heads(value)
+
+
+def _decode_layer_output_fake(x, attended, products, formats, norms, eps, plus_one):
+    return x.new_empty(x.shape)
+
+
 def _rms_norm_fake(x, weight, eps, plus_one):
     return x.new_empty(x.shape)  # contiguous, whatever x's strides (as the C++ returns it)
 
@@ -514,6 +586,20 @@ OPERATORS: tuple[Operator, ...] = (
         "Tensor offsets) -> Tensor",
         _decode_attention_ring_fake,
         _decode_attention_ring_reference,
+    ),
+    # A decoder layer's decode step in two calls around its attention (FusedDecoderLayer): the
+    # kernels above, in the Python path's order (csrc/decode_layer.cpp).
+    Operator(
+        "decode_layer_qkv(Tensor x, Tensor cos, Tensor sin, Tensor?[] products, int[] formats, Tensor?[] norms, "
+        "float[] eps, int[] plus_one, int head_dim) -> (Tensor, Tensor, Tensor)",
+        _decode_layer_qkv_fake,
+        _decode_layer_qkv_reference,
+    ),
+    Operator(
+        "decode_layer_output(Tensor x, Tensor attended, Tensor?[] products, int[] formats, Tensor?[] norms, "
+        "float[] eps, int[] plus_one) -> Tensor",
+        _decode_layer_output_fake,
+        _decode_layer_output_reference,
     ),
 )
 

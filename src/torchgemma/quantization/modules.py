@@ -326,6 +326,15 @@ class QuantizedLinear(QuantizedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
+    def decode_product(self, rows: int) -> tuple | None:
+        """(qweight, scales, mins, bits, group size): what ``matmul`` hands the row kernel (qlinear)
+        for ``rows`` float32 rows, for callers that call it themselves (``decode_layer_*``, CPU
+        fusions); None where those rows take another product."""
+        if rows >= self.int_rows or (INT16_DECODE and self.activation_bits):
+            return None
+        buffers, f = self._buffers, self.format
+        return buffers["qweight"], buffers["scales"], buffers["mins"], f.bits, f.group_size
+
 
 class QuantizedEmbedding(QuantizedWeight):
     """A token table with quantized rows: a lookup dequantizes only the rows it reads, and

@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <ATen/core/List.h>
+
 #include <optional>
 #include <tuple>
 
@@ -32,5 +34,14 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& visible);
 at::Tensor decode_attention_ring_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                      const at::Tensor& visible, const at::Tensor& slots, const at::Tensor& offsets);
+// decode_layer.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer_qkv_cpu(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const c10::List<std::optional<at::Tensor>>& products,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+    at::IntArrayRef plus_one, int64_t head_dim);
+at::Tensor decode_layer_output_cpu(const at::Tensor& x, const at::Tensor& attended,
+                                   const c10::List<std::optional<at::Tensor>>& products, at::IntArrayRef formats,
+                                   const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+                                   at::IntArrayRef plus_one);
 
 }  // namespace torchgemma::TG_ISA

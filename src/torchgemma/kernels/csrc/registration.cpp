@@ -46,13 +46,16 @@ struct Kernels {
   decltype(&portable::rope_cpu) rope;
   decltype(&portable::decode_attention_cpu) decode_attention;
   decltype(&portable::decode_attention_ring_cpu) decode_attention_ring;
+  decltype(&portable::decode_layer_qkv_cpu) decode_layer_qkv;
+  decltype(&portable::decode_layer_output_cpu) decode_layer_output;
 };
 
 #define TG_KERNELS(isa)                                                                                         \
   Kernels {                                                                                                     \
     &isa::qlinear_cpu, &isa::dequantize_cpu, &isa::qlinear_dense_cpu, &isa::qlinear_int_cpu,                  \
         &isa::qlinear_bounds_cpu, &isa::row_norms_cpu, &isa::bounded_candidates_cpu, &isa::rms_norm_cpu,      \
-        &isa::rope_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu                            \
+        &isa::rope_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu, &isa::decode_layer_qkv_cpu, \
+        &isa::decode_layer_output_cpu                                                                          \
   }
 
 constexpr int kSets = 3;
@@ -124,6 +127,20 @@ at::Tensor decode_attention_ring(const at::Tensor& q, const at::Tensor& k, const
   return kernels().decode_attention_ring(q, k, v, scale, visible, slots, offsets);
 }
 
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer_qkv(const at::Tensor& x, const at::Tensor& cos,
+                                                                const at::Tensor& sin, const OptionalTensors& products,
+                                                                at::IntArrayRef formats, const OptionalTensors& norms,
+                                                                at::ArrayRef<double> eps, at::IntArrayRef plus_one,
+                                                                int64_t head_dim) {
+  return kernels().decode_layer_qkv(x, cos, sin, products, formats, norms, eps, plus_one, head_dim);
+}
+at::Tensor decode_layer_output(const at::Tensor& x, const at::Tensor& attended, const OptionalTensors& products,
+                               at::IntArrayRef formats, const OptionalTensors& norms, at::ArrayRef<double> eps,
+                               at::IntArrayRef plus_one) {
+  return kernels().decode_layer_output(x, attended, products, formats, norms, eps, plus_one);
+}
+
 std::string error;  // the last failure's message (torchgemma_error)
 
 }  // namespace
@@ -178,6 +195,8 @@ int torchgemma_register() {
     fresh->impl("rope", TORCH_FN(torchgemma::rope));
     fresh->impl("decode_attention", TORCH_FN(torchgemma::decode_attention));
     fresh->impl("decode_attention_ring", TORCH_FN(torchgemma::decode_attention_ring));
+    fresh->impl("decode_layer_qkv", TORCH_FN(torchgemma::decode_layer_qkv));
+    fresh->impl("decode_layer_output", TORCH_FN(torchgemma::decode_layer_output));
     library = fresh;
   } catch (const std::exception& e) {
     torchgemma::error = e.what();

@@ -9,3 +9,4 @@
 #include "greedy_head.cpp"
 #include "norms_rope.cpp"
 #include "decode_attention.cpp"
+#include "decode_layer.cpp"
