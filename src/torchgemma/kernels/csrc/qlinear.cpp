@@ -28,6 +28,23 @@ inline int64_t row_block(int64_t bits, int64_t group) {
 
 #ifdef TG_AVX2
 
+// Kernels that read R weight rows side by side (R > 1) fetch the next R rows' bytes this far ahead of
+// where they read their own, a cache line per row as they cross one, and those rows' scales: R
+// interleaved row streams are more than the hardware's prefetch follows. The 270M's 27 4-bit
+// weights (640 x 1024 and 640 x 2048 with mins), one row, read in a decode step's order (Zen 4,
+// medians of 15 interleaved passes): 3.10 -> 2.15 ms at one thread, 2.09 -> 1.52 at two; 0-1024
+// bytes ahead measured, 128 within 4% of 256-512.
+constexpr int64_t kAhead = 256;
+
+template <int R, typename S>
+inline void fetch_next_rows(const void* q, int64_t q_stride, int64_t offset, const S* scales, int64_t groups_stride,
+                            int64_t g, bool with_scales) {
+  for (int r = 0; r < R; ++r)
+    _mm_prefetch(static_cast<const char*>(q) + (R + r) * q_stride + offset + kAhead, _MM_HINT_T0);
+  if (with_scales)
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(scales + (R + r) * groups_stride + g), _MM_HINT_T0);
+}
+
 // R weight rows times MB activation rows, bits 8: out[m * R + r] = sum_g s_rg * dot_g(x_m, q_r). The
 // R x MB dot products are independent chains, so the FMA latency overlaps (one chain per row stalls).
 template <int MB, int R, typename S>
@@ -47,6 +64,7 @@ inline void rows_q8(const int8_t* q, int64_t q_stride, const S* scales, int64_t 
     const int64_t end = (g + 1) * G;
     int64_t k = g * G;
     for (; k + 16 <= end; k += 16) {
+      if (R > 1 && k % 64 == 0) fetch_next_rows<R>(q, q_stride, k, scales, groups_stride, g, k % (16 * G) == 0);
       for (int r = 0; r < R; ++r) {
         const __m256 w0 = load_i8(q + r * q_stride + k), w1 = load_i8(q + r * q_stride + k + 8);
         for (int m = 0; m < MB; ++m) {
@@ -141,6 +159,9 @@ inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t
       for (int r = 0; r < R; ++r) dot[m][r] = odd[m][r] = _mm256_setzero_ps();
 #endif
     for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      const int64_t offset = k / 32 * block_bytes(BITS);
+      if (R > 1 && offset % 64 < block_bytes(BITS))  // the first block to start in a cache line
+        fetch_next_rows<R>(q, q_stride, offset, scales, groups_stride, g, g % 16 == 0 && k == g * G);
       for (int r = 0; r < R; ++r) {
         const uint8_t* block = q + r * q_stride + k / 32 * block_bytes(BITS);
 #ifdef TG_AVX512
@@ -271,12 +292,17 @@ inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64
 
 // How many weight rows one pass takes for `rows` activation rows (register budget: MB x R chains).
 // Measured (AMD EPYC, one thread, 262144 x 640): 4-bit rows unpack in more steps and gain from
-// four independent chains (16.0 -> 12.3 ms); 8-bit rows stream fastest one at a time (14 ms; 27-34
-// ms with two or four, whose interleaved loads the prefetcher serves worse). 5-bit rows (the fifth bits
-// take more registers): two at a time for one or two activation rows (one row, 262144 x 640 with
-// float16 scales: 18.4 ms with one, 17.5 with two, 19.7 with four; 8-bit rows take 13.3).
-inline int64_t weight_block(int64_t rows, int64_t bits) {
-  if (bits == 8) return 1;
+// four independent chains (16.0 -> 12.3 ms); 8-bit rows in groups of 32 stream fastest one at a time
+// (14 ms; 27-34 ms with two or four, whose interleaved loads the prefetcher serves worse; with the
+// next rows fetched ahead, the 270M's 126 layer weights' 8-bit groups of 32 still took 8.7 ms one at a
+// time against 11.7 / 12.5 two / four at a time). 8-bit groups of 16 (GGUF's Q6_K) end a chain of
+// scale FMAs every 16 values, so one row waits on their latency: four at a time, the next four fetched
+// ahead (the 270M's nine 640 x 2048 Q6_K weights, one row, a decode step's order, Zen 4: 2.49 -> 2.16
+// ms at one thread, 1.23 -> 1.16 at two; more activation rows: one at a time, unmeasured). 5-bit rows (the fifth bits take more registers): two at a
+// time for one or two activation rows (one row, 262144 x 640 with float16 scales: 18.4 ms with one,
+// 17.5 with two, 19.7 with four; 8-bit rows take 13.3).
+inline int64_t weight_block(int64_t rows, int64_t bits, int64_t group) {
+  if (bits == 8) return group != 32 && rows == 1 ? 4 : 1;
   if (bits == 5) return rows <= 2 ? 2 : 1;
   return rows == 1 ? 4 : rows == 2 ? 2 : 1;
 }
@@ -317,7 +343,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
       const int64_t n1 = std::min(t1, n0 + tile);
       for (int64_t m0 = 0; m0 < M; m0 += mblock) {
         const int64_t rows = std::min(mblock, M - m0);
-        const int64_t block = weight_block(rows, bits);
+        const int64_t block = weight_block(rows, bits, group);
         for (int64_t n = n0; n < n1;) {
           const int64_t weights = n + block <= n1 ? block : 1;
           block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp + m0 * K, K, rows,
