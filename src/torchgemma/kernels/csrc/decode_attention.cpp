@@ -55,6 +55,16 @@ constexpr int64_t kPiece = 1024;
 // A lone piece of at least this many keys shares its work over the threads (attend_rows).
 constexpr int64_t kSplitKeys = 256;
 
+// Keys and values are read with software prefetch: the next key pair's cache lines while a pair's
+// scores are summed, and each 16-value column of the key kValuesAhead keys on while the weighted
+// values are. The hardware's prefetch served these reads at ~6 GB/s (one 1 KB key or value row in
+// two streams, or one line per row at a 1 KB stride), against ~20 for a plain read of the same bytes.
+// 20 layers' caches read once each (4 heads, 1 KV head, D 256, Zen 4, one thread, medians of 7
+// interleaved passes): 512 keys 181 -> 137 us, 4096 keys 1434 -> 1142 us (two threads: 134 -> 103,
+// 697 -> 575); 8 and 32 keys ahead for the values, two and four pairs for the keys measured within
+// a few percent.
+constexpr int64_t kValuesAhead = 16;
+
 // One piece: the G query heads of one KV head against `count` keys (key i at keys + at(i) * kstride,
 // values likewise). Writes each head's largest score (top), sum of exponentials (sum) and the values
 // weighted by them, not yet divided (acc, G x D). `probs` is scratch of at least G * count floats.
@@ -72,10 +82,16 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
       for (int64_t j = 2 * p0; j < 2 * p1; j += 2) {
         const float* key0 = keys + at(j) * kstride;
         const float* key1 = keys + at(j + 1) * kstride;
+        const float* ahead0 = keys + at(std::min(j + 2, S - 1)) * kstride;  // the next pair, fetched ahead
+        const float* ahead1 = keys + at(std::min(j + 3, S - 1)) * kstride;
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
           __m256 a[8];
           for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; d += 8) {
+            if (g0 == 0 && d % 16 == 0) {
+              _mm_prefetch(reinterpret_cast<const char*>(ahead0 + d), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead1 + d), _MM_HINT_T0);
+            }
             const __m256 a0 = _mm256_loadu_ps(key0 + d), a1 = _mm256_loadu_ps(key1 + d);
             for (int i = 0; i < 4; ++i) {
               const __m256 qv = _mm256_loadu_ps(queries + (g0 + i) * D + d);
@@ -140,6 +156,8 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
           __m256 a[4][2];
           for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
           for (int64_t j = 0; j < S; ++j) {
+            if (j + kValuesAhead < S)
+              _mm_prefetch(reinterpret_cast<const char*>(values + at(j + kValuesAhead) * vstride + d), _MM_HINT_T0);
             const float* value = values + at(j) * vstride + d;
             const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
             for (int i = 0; i < 4; ++i) {
