@@ -147,8 +147,45 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
   // Weighted values: every value read once for the group's heads.
   std::fill(acc, acc + G * D, 0.f);
   int64_t d0 = 0;
+#ifdef TG_AVX512
+  if (G % 4 == 0 && D % 64 == 0) {
+    // Sixty-four values of four heads held in registers (16 of the 32) across all keys: each key's
+    // values read 256 bytes at a time, in D / 64 passes over the keys rather than D / 16. Each value
+    // is the AVX2 code's chain of FMAs below, key after key: the same bits. 20 layers' caches read
+    // once each (4 heads, 1 KV head, D 256, Zen 4, medians of 9 passes interleaved with the AVX2 set,
+    // the same bits): 300 / 512 / 4096 keys 97 -> 84, 178 -> 153, 1386 -> 1171 us at one thread;
+    // 26 -> 19, 83 -> 72, 652 -> 609 us at two.
+    const auto columns = [&](int64_t c0, int64_t c1) {
+      for (int64_t d = 64 * c0; d < 64 * c1; d += 64) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          __m512 a[4][4];
+          for (int i = 0; i < 4; ++i)
+            for (int l = 0; l < 4; ++l) a[i][l] = _mm512_setzero_ps();
+          for (int64_t j = 0; j < S; ++j) {
+            if (j + kValuesAhead < S) {
+              const float* ahead = values + at(j + kValuesAhead) * vstride + d;
+              for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * l), _MM_HINT_T0);
+            }
+            const float* value = values + at(j) * vstride + d;
+            __m512 v[4];
+            for (int l = 0; l < 4; ++l) v[l] = _mm512_loadu_ps(value + 16 * l);
+            for (int i = 0; i < 4; ++i) {
+              const __m512 w = _mm512_set1_ps(probs[(g0 + i) * S + j]);
+              for (int l = 0; l < 4; ++l) a[i][l] = _mm512_fmadd_ps(w, v[l], a[i][l]);
+            }
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int l = 0; l < 4; ++l) _mm512_storeu_ps(acc + (g0 + i) * D + d + 16 * l, a[i][l]);
+        }
+      }
+    };
+    if (split) at::parallel_for(0, D / 64, 1, columns);
+    else columns(0, D / 64);
+    d0 = D;
+  }
+#endif
 #ifdef TG_AVX2
-  if (G % 4 == 0) {
+  if (d0 == 0 && G % 4 == 0) {
     // Sixteen values of four heads held in registers across all keys.
     const auto columns = [&](int64_t c0, int64_t c1) {
       for (int64_t d = 16 * c0; d < 16 * c1; d += 16) {
