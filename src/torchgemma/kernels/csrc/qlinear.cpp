@@ -16,16 +16,6 @@ namespace torchgemma::TG_ISA {
 // How many activation rows share one pass over a weight row (its integers are converted once).
 constexpr int64_t kRowBlock = 4;
 
-// The same for a call's weight: 8 rows for 8-bit groups of 32 (GGUF's Q8_0, most of a Q4_K_M model's
-// bytes and its head) where the build has AVX2: each group's conversion to float is shared by twice
-// the rows (the kernel keeps 8 sums, 4 weight vectors and 2 chains in the 16 registers).
-inline int64_t row_block(int64_t bits, int64_t group) {
-#ifdef TG_AVX2
-  if (bits == 8 && group == 32) return 2 * kRowBlock;
-#endif
-  return kRowBlock;
-}
-
 #ifdef TG_AVX2
 
 // Kernels that read R weight rows side by side (R > 1) fetch the next R rows' bytes this far ahead of
@@ -97,45 +87,66 @@ inline __m256 fold(__m512 v) {
 }
 #endif
 
-// rows_q8 for groups of exactly 32 values (GGUF's Q8_0 and Q5_0): the same sums in the same order,
-// with a group's two chains written out rather than left to the general loop (2048 x 640, one
-// thread, weights in cache: 99 -> 82 us per product; from memory, 116 -> 100-112).
+// rows_q8 for groups of exactly 32 values (GGUF's Q8_0 and Q5_0). Each group's 32 products go to 16
+// lanes (value i with value i + 16), and each lane keeps its own sum of scale x lane over the groups;
+// the 16 lanes are added once, at the end. An AVX-512 build keeps a row's lanes in one 512-bit
+// register (one FMA per group); AVX2 in two (lanes 0-7: values 0-7 and 16-23; 8-15: 8-15 and 24-31),
+// the same sums in the same order. Against folding the lanes per group (an extract, an add and a
+// 256-bit FMA per group), with qlinear_cpu's row loop below, the 2048 x 640 product at one thread
+// (Zen 4, weights in cache, medians of 7 interleaved): 1 row 87 -> 74 us (AVX2 set 89 -> 80); 4, 8
+// and 16 rows 187 -> 167, 356 -> 322, 705 -> 639 us; but the AVX2 set's 4, 8 and 16 rows 173 -> 191,
+// 326 -> 371, 669 -> 742 us (a sixth FMA per 8 lanes where the multipliers bind; a CPU with
+// AVX-512 takes the AVX-512 set). A decode step of the 270M (Zen 4, interleaved): 23.5 -> 22.8 ms at
+// one thread, 14.6 -> 14.2 at two. Four activation rows per pass (kRowBlock): eight, as before,
+// took 358 / 712 us at 8 / 16 rows (AVX-512), and the AVX2 set's 16 registers cannot hold 16 sums.
 template <int MB, int R, typename S>
 inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                         const float* x, int64_t x_stride, float* acc_out) {
-  __m256 total[MB][R];
+#ifdef TG_AVX512
+  __m512 total[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
+#else
+  __m256 low[MB][R], high[MB][R];  // lanes 0-7 and 8-15
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) low[m][r] = high[m][r] = _mm256_setzero_ps();
+#endif
   for (int64_t g = 0; g < K / 32; ++g) {
     const int64_t k = g * 32;
     for (int r = 0; r < R; ++r) {
       const int8_t* qr = q + r * q_stride + k;
-      const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
 #ifdef TG_AVX512
+      const __m512 s = _mm512_set1_ps(to_float(scales[r * groups_stride + g]));
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr))));
       const __m512 w1 =
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + 16))));
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + m * x_stride + k;
-        __m512 d = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), _mm512_setzero_ps());
-        d = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), d);
-        total[m][r] = _mm256_fmadd_ps(s, fold(d), total[m][r]);
+        const __m512 d = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm)));
+        total[m][r] = _mm512_fmadd_ps(s, d, total[m][r]);
       }
 #else
-      const __m256 w0 = load_i8(qr), w1 = load_i8(qr + 8), w2 = load_i8(qr + 16), w3 = load_i8(qr + 24);
-      for (int m = 0; m < MB; ++m) {
-        const float* xm = x + m * x_stride + k;
-        __m256 dot = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), _mm256_setzero_ps());
-        __m256 odd = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), _mm256_setzero_ps());
-        dot = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), dot);
-        odd = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), odd);
-        total[m][r] = _mm256_fmadd_ps(s, _mm256_add_ps(dot, odd), total[m][r]);
+      const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
+      // Lanes 0-7 for every row, then lanes 8-15: two weight vectors live at a time, not four.
+      for (int half = 0; half < 2; ++half) {
+        const __m256 wa = load_i8(qr + 8 * half), wb = load_i8(qr + 16 + 8 * half);
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = x + m * x_stride + k + 8 * half;
+          const __m256 lanes = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xm + 16), _mm256_mul_ps(wa, _mm256_loadu_ps(xm)));
+          __m256& sum = half ? high[m][r] : low[m][r];
+          sum = _mm256_fmadd_ps(s, lanes, sum);
+        }
       }
 #endif
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(total[m][r]);
+    for (int r = 0; r < R; ++r)
+#ifdef TG_AVX512
+      acc_out[m * R + r] = hsum(fold(total[m][r]));
+#else
+      acc_out[m * R + r] = hsum(_mm256_add_ps(low[m][r], high[m][r]));
+#endif
 }
 
 // The same for bits 4 and 5 (G a multiple of 32). Two chains per group, as rows_q8: values 0-7 and
@@ -261,20 +272,6 @@ inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64
   if (weights == 2 && rows == 2) return run(I2{}, I2{});
   if (weights == 2 && rows == 1) return run(I1{}, I2{});
   TORCH_CHECK(weights == 1, "qlinear: no kernel for ", rows, " x ", weights, " rows");
-  if constexpr (BITS == 8) {
-    if (G == 32 && rows > kRowBlock) {  // row_block's wider blocks
-      using I5 = std::integral_constant<int, 5>;
-      using I6 = std::integral_constant<int, 6>;
-      using I7 = std::integral_constant<int, 7>;
-      using I8 = std::integral_constant<int, 8>;
-      switch (rows) {
-        case 8: return run(I8{}, I1{});
-        case 7: return run(I7{}, I1{});
-        case 6: return run(I6{}, I1{});
-        default: return run(I5{}, I1{});
-      }
-    }
-  }
   switch (rows) {  // weights == 1
     case 4: return run(I4{}, I1{});
     case 3: return run(I3{}, I1{});
@@ -338,12 +335,25 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   // Tasks of whole tiles, taken in turn (parallel_tasks: a preempted thread delays only its tile).
   parallel_tasks(N, std::max(grain, tile), [&](int64_t t0, int64_t t1) {
     float acc[kRowBlock * 4];
-    const int64_t mblock = row_block(bits, group);
     for (int64_t n0 = t0; n0 < t1; n0 += tile) {
       const int64_t n1 = std::min(t1, n0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += mblock) {
-        const int64_t rows = std::min(mblock, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - m0);
         const int64_t block = weight_block(rows, bits, group);
+#ifdef TG_AVX2
+        if constexpr (BITS == 8) {
+          // One activation row against 8-bit groups of 32 (a decode step's Q8_0 and Q5_0 weights):
+          // the kernel called row after row here, without block_dot's dispatch per row (2048 x 640,
+          // one thread, Zen 4: 5% of the product).
+          if (group == 32 && rows == 1 && !mp) {
+            const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
+            for (int64_t n = n0; n < n1; ++n)
+              rows_q8_g32<1, 1>(q8 + n * row_bytes, row_bytes, sp + n * groups, groups, K, xp + m0 * K, K,
+                                op + m0 * N + n);
+            continue;
+          }
+        }
+#endif
         for (int64_t n = n0; n < n1;) {
           const int64_t weights = n + block <= n1 ? block : 1;
           block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp + m0 * K, K, rows,
