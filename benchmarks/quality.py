@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", default=",".join(MODES), help="comma-separated; fp32 (the reference) first"
     )
     args = parser.parse_args(argv)
-    modes = {name: MODES[name] for name in ["fp32", *(m for m in args.modes.split(",") if m and m != "fp32")]}
+    asked = [m for m in args.modes.split(",") if m and m != "fp32"]
+    unknown = [m for m in asked if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}: the modes are {', '.join(MODES)}")
+    modes = {name: MODES[name] for name in ["fp32", *asked]}
     warnings.simplefilter("ignore")
     path = gemma3_270m()
     tokenizer = torchgemma.load_tokenizer("gemma3-270m")
