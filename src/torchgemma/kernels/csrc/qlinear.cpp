@@ -87,6 +87,42 @@ inline __m256 fold(__m512 v) {
 }
 #endif
 
+// Running sums in 16 lanes per (activation row, weight row), added together once at the end: an
+// AVX-512 build keeps them in one 512-bit register, AVX2 in two (lanes 0-7, 8-15), the same sums.
+template <int MB, int R>
+struct Lanes {
+#ifdef TG_AVX512
+  __m512 sum[MB][R];
+  Lanes() {
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) sum[m][r] = _mm512_setzero_ps();
+  }
+  // sum += s * v, lane by lane.
+  void add(int m, int r, __m512 s, __m512 v) { sum[m][r] = _mm512_fmadd_ps(s, v, sum[m][r]); }
+#else
+  __m256 low[MB][R], high[MB][R];
+  Lanes() {
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) low[m][r] = high[m][r] = _mm256_setzero_ps();
+  }
+  // Lanes 0-7 (half 0) or 8-15 (half 1) += s * v.
+  void add(int m, int r, int half, __m256 s, __m256 v) {
+    __m256& lanes = half ? high[m][r] : low[m][r];
+    lanes = _mm256_fmadd_ps(s, v, lanes);
+  }
+#endif
+  // out[m * R + r]: the 16 lanes' total (lane i + lane i + 8, then those 8 added pairwise).
+  void store(float* out) const {
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r)
+#ifdef TG_AVX512
+        out[m * R + r] = hsum(fold(sum[m][r]));
+#else
+        out[m * R + r] = hsum(_mm256_add_ps(low[m][r], high[m][r]));
+#endif
+  }
+};
+
 // rows_q8 for groups of exactly 32 values (GGUF's Q8_0 and Q5_0). Each group's 32 products go to 16
 // lanes (value i with value i + 16), and each lane keeps its own sum of scale x lane over the groups;
 // the 16 lanes are added once, at the end. An AVX-512 build keeps a row's lanes in one 512-bit
@@ -102,15 +138,7 @@ inline __m256 fold(__m512 v) {
 template <int MB, int R, typename S>
 inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                         const float* x, int64_t x_stride, float* acc_out) {
-#ifdef TG_AVX512
-  __m512 total[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
-#else
-  __m256 low[MB][R], high[MB][R];  // lanes 0-7 and 8-15
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) low[m][r] = high[m][r] = _mm256_setzero_ps();
-#endif
+  Lanes<MB, R> lanes;
   for (int64_t g = 0; g < K / 32; ++g) {
     const int64_t k = g * 32;
     for (int r = 0; r < R; ++r) {
@@ -122,8 +150,7 @@ inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int6
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + 16))));
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + m * x_stride + k;
-        const __m512 d = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm)));
-        total[m][r] = _mm512_fmadd_ps(s, d, total[m][r]);
+        lanes.add(m, r, s, _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm))));
       }
 #else
       const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
@@ -132,21 +159,13 @@ inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int6
         const __m256 wa = load_i8(qr + 8 * half), wb = load_i8(qr + 16 + 8 * half);
         for (int m = 0; m < MB; ++m) {
           const float* xm = x + m * x_stride + k + 8 * half;
-          const __m256 lanes = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xm + 16), _mm256_mul_ps(wa, _mm256_loadu_ps(xm)));
-          __m256& sum = half ? high[m][r] : low[m][r];
-          sum = _mm256_fmadd_ps(s, lanes, sum);
+          lanes.add(m, r, half, s, _mm256_fmadd_ps(wb, _mm256_loadu_ps(xm + 16), _mm256_mul_ps(wa, _mm256_loadu_ps(xm))));
         }
       }
 #endif
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r)
-#ifdef TG_AVX512
-      acc_out[m * R + r] = hsum(fold(total[m][r]));
-#else
-      acc_out[m * R + r] = hsum(_mm256_add_ps(low[m][r], high[m][r]));
-#endif
+  lanes.store(acc_out);
 }
 
 // rows_q8 for groups of exactly 16 values (GGUF's Q6_K, with float32 scales): each value's product
@@ -159,15 +178,7 @@ inline void rows_q8_g32(const int8_t* q, int64_t q_stride, const S* scales, int6
 template <int MB, int R, typename S>
 inline void rows_q8_g16(const int8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                         const float* x, int64_t x_stride, float* acc_out) {
-#ifdef TG_AVX512
-  __m512 total[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
-#else
-  __m256 low[MB][R], high[MB][R];  // lanes 0-7 and 8-15
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) low[m][r] = high[m][r] = _mm256_setzero_ps();
-#endif
+  Lanes<MB, R> lanes;
   for (int64_t g = 0; g < K / 16; ++g) {
     const int64_t k = g * 16;
     if (R > 1 && k % 64 == 0) fetch_next_rows<R>(q, q_stride, k, scales, groups_stride, g, k % 256 == 0);
@@ -176,26 +187,19 @@ inline void rows_q8_g16(const int8_t* q, int64_t q_stride, const S* scales, int6
 #ifdef TG_AVX512
       const __m512 s = _mm512_set1_ps(to_float(scales[r * groups_stride + g]));
       const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr))));
-      for (int m = 0; m < MB; ++m)
-        total[m][r] = _mm512_fmadd_ps(s, _mm512_mul_ps(w, _mm512_loadu_ps(x + m * x_stride + k)), total[m][r]);
+      for (int m = 0; m < MB; ++m) lanes.add(m, r, s, _mm512_mul_ps(w, _mm512_loadu_ps(x + m * x_stride + k)));
 #else
       const __m256 s = _mm256_set1_ps(to_float(scales[r * groups_stride + g]));
       const __m256 w0 = load_i8(qr), w1 = load_i8(qr + 8);
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + m * x_stride + k;
-        low[m][r] = _mm256_fmadd_ps(s, _mm256_mul_ps(w0, _mm256_loadu_ps(xm)), low[m][r]);
-        high[m][r] = _mm256_fmadd_ps(s, _mm256_mul_ps(w1, _mm256_loadu_ps(xm + 8)), high[m][r]);
+        lanes.add(m, r, 0, s, _mm256_mul_ps(w0, _mm256_loadu_ps(xm)));
+        lanes.add(m, r, 1, s, _mm256_mul_ps(w1, _mm256_loadu_ps(xm + 8)));
       }
 #endif
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r)
-#ifdef TG_AVX512
-      acc_out[m * R + r] = hsum(fold(total[m][r]));
-#else
-      acc_out[m * R + r] = hsum(_mm256_add_ps(low[m][r], high[m][r]));
-#endif
+  lanes.store(acc_out);
 }
 
 // The 32 values of a 4- or 5-bit block as float32: w[0..3] values 0-7, 8-15, 16-23, 24-31.
@@ -306,15 +310,7 @@ inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t
 template <int MB, int R, int BITS, typename S>
 inline void rows_qn_g32(const uint8_t* q, int64_t q_stride, const S* scales, int64_t groups_stride, int64_t K,
                         const float* x, int64_t x_stride, float* acc_out) {
-#ifdef TG_AVX512
-  __m512 total[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
-#else
-  __m256 low[MB][R], high[MB][R];  // lanes 0-7 and 8-15
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) low[m][r] = high[m][r] = _mm256_setzero_ps();
-#endif
+  Lanes<MB, R> lanes;
   const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k = g * 32, offset = g * block_bytes(BITS);
@@ -329,8 +325,7 @@ inline void rows_qn_g32(const uint8_t* q, int64_t q_stride, const S* scales, int
       const __m512 sv = _mm512_set1_ps(scale);
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + m * x_stride + k;
-        const __m512 d = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm)));
-        total[m][r] = _mm512_fmadd_ps(sv, d, total[m][r]);
+        lanes.add(m, r, sv, _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm))));
       }
 #else
       __m256 w[4];
@@ -338,21 +333,13 @@ inline void rows_qn_g32(const uint8_t* q, int64_t q_stride, const S* scales, int
       const __m256 sv = _mm256_set1_ps(scale);
       for (int m = 0; m < MB; ++m) {
         const float* xm = x + m * x_stride + k;
-        const __m256 dot = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), _mm256_mul_ps(w[0], _mm256_loadu_ps(xm)));
-        const __m256 odd = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(w[1], _mm256_loadu_ps(xm + 8)));
-        low[m][r] = _mm256_fmadd_ps(sv, dot, low[m][r]);
-        high[m][r] = _mm256_fmadd_ps(sv, odd, high[m][r]);
+        lanes.add(m, r, 0, sv, _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), _mm256_mul_ps(w[0], _mm256_loadu_ps(xm))));
+        lanes.add(m, r, 1, sv, _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(w[1], _mm256_loadu_ps(xm + 8))));
       }
 #endif
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r)
-#ifdef TG_AVX512
-      acc_out[m * R + r] = hsum(fold(total[m][r]));
-#else
-      acc_out[m * R + r] = hsum(_mm256_add_ps(low[m][r], high[m][r]));
-#endif
+  lanes.store(acc_out);
 }
 
 #endif  // TG_AVX2
