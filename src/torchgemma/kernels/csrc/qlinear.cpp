@@ -303,7 +303,7 @@ inline void rows_qn(const uint8_t* q, int64_t q_stride, const S* scales, int64_t
 // group, whose two chains (as rows_qn's) go straight to 16 lanes of scaled sums per row, added once,
 // at the end (one 512-bit register per row on AVX-512, two 256-bit ones on AVX2: the same sums).
 // Against rows_qn (a fold and a 256-bit FMA per group), the 270M's 27 Q4_K weights, one row, one
-// thread, Zen 4, interleaved: 2086 -> 1980 us from memory; 1024 x 640 in cache 1 / 2 / 4 / 8 rows
+// thread, Zen 4, interleaved: 2086 -> 1980 us from memory; 640 x 1024 in cache 1 / 2 / 4 / 8 rows
 // 47 -> 44, 75 -> 64, 115 -> 100, 211 -> 184 us (AVX2 set 52 -> 46, 74 -> 69, 115 -> 108, 214 ->
 // 201). Longer groups keep rows_qn: this order there cost the AVX2 set's 4 rows 5-11% (its 16
 // registers cannot hold the sums and the chains).
