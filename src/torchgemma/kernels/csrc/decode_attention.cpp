@@ -57,8 +57,9 @@ constexpr int64_t kSplitKeys = 256;
 
 // Keys and values are read with software prefetch: the next key pair's cache lines while a pair's
 // scores are summed, and each column block (16 values; 64 in the AVX-512 set) of the key kValuesAhead
-// keys on while the weighted values are. The hardware's prefetch served these reads at ~6 GB/s (one 1 KB key or value row in
-// two streams, or one line per row at a 1 KB stride), against ~20 for a plain read of the same bytes.
+// keys on while the weighted values are. The hardware's prefetch served these reads at ~6 GB/s (one
+// 1 KB key or value row in two streams, or one line per row at a 1 KB stride), against ~20 for a
+// plain read of the same bytes.
 // 20 layers' caches read once each (4 heads, 1 KV head, D 256, Zen 4, one thread, medians of 7
 // interleaved passes): 512 keys 181 -> 137 us, 4096 keys 1434 -> 1142 us (two threads: 134 -> 103,
 // 697 -> 575); 8 and 32 keys ahead for the values, two and four pairs for the keys measured within
