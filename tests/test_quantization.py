@@ -160,6 +160,28 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, mins, 
         assert torch.equal(together, alone[:rows]), rows
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_weight_read_in_streams_gives_each_rows_bits(threads):
+    """One activation row against an 8-bit weight of 8 MiB or more (an LM head) reads the weight
+    rows as several streams side by side (qlinear.cpp, kLongStreams): every row is computed once and
+    equals, to the bit, the product of a shorter weight holding it (the tiles' path), rows past the
+    last whole set of streams included (16,385 rows)."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    n, k = 16385, 640  # 10.5 MB of int8; its pieces below stay under 8 MiB
+    q = random_ints(n, k, 8, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    x = torch.randn(1, k, generator=gen)
+    with _threads(threads):
+        whole = torch.ops.torchgemma.qlinear(x, q, scales, None, 8, 32)
+    cuts = (0, 5000, 10000, n)
+    pieces = torch.cat(
+        [torch.ops.torchgemma.qlinear(x, q[a:b], scales[a:b], None, 8, 32) for a, b in zip(cuts, cuts[1:])], dim=1
+    )
+    assert torch.equal(whole, pieces)
+
+
 def test_operators_check_their_inputs():
     q = kernels.pack(random_ints(4, 64, 8), 8)
     scales = torch.ones(4, 2)
