@@ -177,7 +177,8 @@ def test_a_long_weight_read_in_streams_gives_each_rows_bits(threads):
         whole = torch.ops.torchgemma.qlinear(x, q, scales, None, 8, 32)
     cuts = (0, 5000, 10000, n)
     pieces = torch.cat(
-        [torch.ops.torchgemma.qlinear(x, q[a:b], scales[a:b], None, 8, 32) for a, b in zip(cuts, cuts[1:])], dim=1
+        [torch.ops.torchgemma.qlinear(x, q[a:b], scales[a:b], None, 8, 32) for a, b in zip(cuts, cuts[1:])],
+        dim=1,
     )
     assert torch.equal(whole, pieces)
 
