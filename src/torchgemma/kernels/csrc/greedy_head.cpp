@@ -209,7 +209,6 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
     // 9.49 ms at one thread, 6.41 / 6.31 / 6.20 at two; the step 24.0 / 23.7 / 23.5 and 16.5 / 16.2 /
     // 16.0 ms. Four: 10.12 against 9.93 ms for one (the head in steps, one thread); six, the head
     // alone: 17.2 against 12.2.
-    const int64_t streams = kHeadStreams, per = N / streams;
     const auto score = [&](int64_t n) {  // weight row n against every live activation row
       const int8_t* xqs[4];
       const float* ds[4];
@@ -229,11 +228,7 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
         }
       }
     };
-    parallel_tasks(per, std::max<int64_t>(grain, 64), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t s = 0; s < streams; ++s) score(s * per + r);
-    });
-    for (int64_t n = streams * per; n < N; ++n) score(n);
+    parallel_streams(N, kHeadStreams, std::max<int64_t>(grain, 64), score);
     // The bounds after the scores (the scores' loop then reads only the weights and their scales).
     parallel_tasks(N, 4096, [&](int64_t n0, int64_t n1) {
       for (int64_t m : live)

@@ -449,6 +449,12 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
   // from memory per block; single weight rows outermost stream all M x K activations from L2 per row.)
   const int64_t tile = std::max<int64_t>(4, (32 << 10) / std::max<int64_t>(row_bytes, 1));
 #ifdef TG_AVX2
+  // Activation row m against weight row n of 8-bit groups of 32 (Q8_0, Q5_0): the kernel itself, without
+  // block_dot's dispatch per row (2048 x 640, one thread, Zen 4: 5% of the product).
+  const auto row_q8_g32 = [&](int64_t m, int64_t n) {
+    rows_q8_g32<1, 1>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, row_bytes, sp + n * groups, groups, K,
+                      xp + m * K, K, op + m * N + n);
+  };
   if constexpr (BITS == 8) {
     // One activation row against a long 8-bit weight in groups of 32 (a Q8_0 LM head, for sampled
     // decode steps): its rows read as kLongStreams streams side by side, as qlinear_bounds reads the
@@ -457,16 +463,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
     // thread, 6.75 / 5.95 / 5.49 / 5.85 at two; a sampled decode step (temperature 0.8) 29.0 -> 28.2
     // ms and 21.3 -> 20.8. The layers' weights (at most 1.4 MB here) showed no change either way.
     if (M == 1 && group == 32 && !mp && N * row_bytes >= kLongWeightBytes) {
-      const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
-      const int64_t per = N / kLongStreams;
-      const auto row = [&](int64_t n) {
-        rows_q8_g32<1, 1>(q8 + n * row_bytes, row_bytes, sp + n * groups, groups, K, xp, K, op + n);
-      };
-      parallel_tasks(per, std::max(grain, tile), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          for (int64_t s = 0; s < kLongStreams; ++s) row(s * per + r);
-      });
-      for (int64_t n = kLongStreams * per; n < N; ++n) row(n);
+      parallel_streams(N, kLongStreams, std::max(grain, tile), [&](int64_t n) { row_q8_g32(0, n); });
       return;
     }
   }
@@ -481,14 +478,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
         const int64_t block = weight_block(rows, bits, group);
 #ifdef TG_AVX2
         if constexpr (BITS == 8) {
-          // One activation row against 8-bit groups of 32 (a decode step's Q8_0 and Q5_0 weights):
-          // the kernel called row after row here, without block_dot's dispatch per row (2048 x 640,
-          // one thread, Zen 4: 5% of the product).
+          // One activation row against 8-bit groups of 32 (a decode step's Q8_0 and Q5_0 weights).
           if (group == 32 && rows == 1 && !mp) {
-            const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
-            for (int64_t n = n0; n < n1; ++n)
-              rows_q8_g32<1, 1>(q8 + n * row_bytes, row_bytes, sp + n * groups, groups, K, xp + m0 * K, K,
-                                op + m0 * N + n);
+            for (int64_t n = n0; n < n1; ++n) row_q8_g32(m0, n);
             continue;
           }
         }
