@@ -337,3 +337,41 @@ def test_the_fused_decoder_layer_gives_the_layers_bits(text_checkpoints, tmp_pat
     for layer in layers:
         layer.__class__ = DecoderLayer
     assert torch.equal(fused, run())
+
+
+def test_the_fused_layers_kept_lists_follow_new_weights_hooks_and_parts(text_checkpoints):
+    """FusedDecoderLayer builds its C++ calls' lists once and keeps them: a weight adopted anew
+    (``set_quantized``), a part replaced and a hook registered after that are each seen at the next
+    step, with the logits of DecoderLayer's own forward under the same changes."""
+
+    def run(fused: bool) -> tuple[torch.Tensor, int]:
+        model = torchgemma.quantize(torchgemma.load(text_checkpoints["e2b"], dtype=torch.float32), "int8")
+        layers = model.language_model.layers
+        if not fused:
+            for layer in layers:
+                layer.__class__ = DecoderLayer
+        ids = torch.arange(3, 17).unsqueeze(0) % model.config.text.vocab_size
+        hooked = []
+        with torch.inference_mode():
+            cache = model.make_cache(1, 16)
+            steps = [model(ids[:, :9], cache=cache)]
+            steps += [model(ids[:, t : t + 1], cache=cache) for t in (9, 10)]
+            assert all(("_decode_memo" in vars(layer)) == fused for layer in layers)
+            gate = layers[0].mlp.gate_proj
+            gate.set_quantized(gate.qweight.flip(0), gate.scales * 2, gate.mins)
+            steps.append(model(ids[:, 11:12], cache=cache))
+            old = layers[2].post_feedforward_layernorm
+            new = FusedRMSNorm(old.weight.shape[0], old.eps, plus_one=old.plus_one)
+            new.weight.copy_(old.weight + 0.5)
+            layers[2].post_feedforward_layernorm = new
+            steps.append(model(ids[:, 12:13], cache=cache))
+            layers[1].self_attn.o_proj.register_forward_hook(lambda *args: hooked.append(1))
+            steps.append(model(ids[:, 13:14], cache=cache))
+        model.float()  # a conversion drops the kept lists (they hold the weights it replaces)
+        assert not any("_decode_memo" in vars(layer) for layer in layers)
+        return torch.cat([step[:, -1] for step in steps]), len(hooked)
+
+    fused, hooked = run(True)
+    reference, hooked_reference = run(False)
+    assert hooked == hooked_reference == 1
+    assert torch.equal(fused, reference)

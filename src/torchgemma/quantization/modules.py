@@ -326,10 +326,15 @@ class QuantizedLinear(QuantizedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
-    def decode_product(self, rows: int) -> tuple | None:
+    def decode_product(self, rows: int, reads=None) -> tuple | None:
         """(qweight, scales, mins, bits, group size): what ``matmul`` hands the row kernel (qlinear)
         for ``rows`` float32 rows, for callers that call it themselves (``decode_layer_*``, CPU
-        fusions); None where those rows take another product."""
+        fusions); None where those rows take another product. ``reads`` (a caller's record of what
+        an answer depends on: ``acceleration.cpu_fusions.Reads``) is told everything read here."""
+        if reads is not None:
+            reads.attributes(self, "format", "int_rows", "activation_bits")
+            reads.keys(self._buffers, "qweight", "scales", "mins")
+            reads.keys(globals(), "INT16_DECODE")
         if rows >= self.int_rows or (INT16_DECODE and self.activation_bits):
             return None
         buffers, f = self._buffers, self.format
