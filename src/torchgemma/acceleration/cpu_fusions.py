@@ -209,12 +209,12 @@ class FusedDecoderLayer(DecoderLayer):
 
     def _decode_lists(self, parts, attention: Attention, rows: int) -> tuple:
         """``decode_layer_qkv``'s and ``decode_layer_output``'s lists for ``rows`` float32 rows (each
-        None where that half takes its Python path), built on a layer's first such step and kept
+        None where that half takes its Python path), built on a layer's first step of that many rows and kept
         while everything they were read from holds the same objects (``Reads``) and no hook was
         registered anywhere since: building them each step cost ~1 ms of a 23 ms step of the 270M."""
-        stamp = (rows, RemovableHandle.next_id)
-        memo = self.__dict__.get("_decode_memo")
-        if memo is not None and memo[0] == stamp and memo[1].unchanged():
+        memos = self.__dict__.setdefault("_decode_memos", {})  # by row count (a server's batches vary)
+        memo = memos.get(rows)
+        if memo is not None and memo[0] == RemovableHandle.next_id and memo[1].unchanged():
             return memo[2]
         reads = Reads()
         reads.keys(parts, "self_attn", "input_layernorm", "mlp")
@@ -222,12 +222,12 @@ class FusedDecoderLayer(DecoderLayer):
             _qkv_arguments(attention, parts["input_layernorm"], rows, reads),
             _output_arguments(parts, attention, rows, reads),
         )
-        self.__dict__["_decode_memo"] = (stamp, reads, lists)
+        memos[rows] = (RemovableHandle.next_id, reads, lists)
         return lists
 
     def _apply(self, fn, recurse=True):
         # The kept lists hold the weights: dropped when they move or change type.
-        self.__dict__.pop("_decode_memo", None)
+        self.__dict__.pop("_decode_memos", None)
         return super()._apply(fn, recurse)
 
 
