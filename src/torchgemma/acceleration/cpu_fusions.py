@@ -209,9 +209,10 @@ class FusedDecoderLayer(DecoderLayer):
 
     def _decode_lists(self, parts, attention: Attention, rows: int) -> tuple:
         """``decode_layer_qkv``'s and ``decode_layer_output``'s lists for ``rows`` float32 rows (each
-        None where that half takes its Python path), built on a layer's first step of that many rows and kept
-        while everything they were read from holds the same objects (``Reads``) and no hook was
-        registered anywhere since: building them each step cost ~1 ms of a 23 ms step of the 270M."""
+        None where that half takes its Python path), built on a layer's first step of that many
+        rows and kept while everything they were read from holds the same objects (``Reads``) and
+        no hook was registered anywhere since: building them each step cost ~1 ms of a 23 ms step
+        of the 270M."""
         memos = self.__dict__.setdefault("_decode_memos", {})  # by row count (a server's batches vary)
         memo = memos.get(rows)
         if memo is not None and memo[0] == RemovableHandle.next_id and memo[1].unchanged():
