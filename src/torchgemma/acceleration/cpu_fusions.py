@@ -213,7 +213,9 @@ class FusedDecoderLayer(DecoderLayer):
         rows and kept while everything they were read from holds the same objects (``Reads``) and
         no hook was registered anywhere since: building them each step cost ~1 ms of a 23 ms step
         of the 270M."""
-        memos = self.__dict__.setdefault("_decode_memos", {})  # by row count (a server's batches vary)
+        memos = self.__dict__.get("_decode_memos")  # by row count (a server's batches vary)
+        if memos is None:
+            memos = self.__dict__["_decode_memos"] = {}
         memo = memos.get(rows)
         if memo is not None and memo[0] == RemovableHandle.next_id and memo[1].unchanged():
             return memo[2]
