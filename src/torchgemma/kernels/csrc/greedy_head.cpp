@@ -228,7 +228,24 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
         }
       }
     };
-    parallel_streams(N, kHeadStreams, std::max<int64_t>(grain, 64), score);
+    if (rows == 1) {
+      // One activation row (a decode step's): the same scores without the batch's bookkeeping
+      // (its pointers, counts and index reads per weight row). The 270M's head at one thread,
+      // interleaved in one process: 8.6 -> 6.9 ms (two threads 5.4 -> 5.1); a software prefetch
+      // 2 or 4 rows ahead on top of it: 7.2 / 7.6.
+      const int64_t m = live[0];
+      const int8_t* x0 = xq.data() + m * K;
+      const float* d0 = d.data() + m * (K / 32);
+      const float* s0 = mp ? xsum.data() + m * groups : nullptr;
+      float* a0 = ap + m * N;
+      parallel_streams(N, kHeadStreams, std::max<int64_t>(grain, 64), [&](int64_t n) {
+        float a = approx_row<BITS>(qp + n * row_bytes, sp + n * groups, K, group, x0, d0);
+        if (mp) a += min_dot(mp + n * groups, s0, groups);
+        a0[n] = a;
+      });
+    } else {
+      parallel_streams(N, kHeadStreams, std::max<int64_t>(grain, 64), score);
+    }
     // The bounds after the scores (the scores' loop then reads only the weights and their scales).
     parallel_tasks(N, 4096, [&](int64_t n0, int64_t n1) {
       for (int64_t m : live)

@@ -407,8 +407,9 @@ inline void block_dot(const uint8_t* q, int64_t q_stride, const S* scales, int64
 // time against 11.7 / 12.5 two / four at a time). 8-bit groups of 16 (GGUF's Q6_K) end a chain of
 // scale FMAs every 16 values, so one row waits on their latency: four at a time, the next four fetched
 // ahead (the 270M's nine 640 x 2048 Q6_K weights, one row, a decode step's order, Zen 4: 2.49 -> 2.16
-// ms at one thread, 1.23 -> 1.16 at two; more activation rows: one at a time, unmeasured). 5-bit rows (the fifth bits take more registers): two at a
-// time for one or two activation rows (one row, 262144 x 640 with float16 scales: 18.4 ms with one,
+// ms at one thread, 1.23 -> 1.16 at two; calls of one activation row now stream one weight row at a
+// time instead, see qlinear_cpu; a last single row of a longer call keeps four). 5-bit rows (the
+// fifth bits take more registers): two at a time for one or two activation rows (one row, 262144 x 640 with float16 scales: 18.4 ms with one,
 // 17.5 with two, 19.7 with four; 8-bit rows take 13.3).
 inline int64_t weight_block(int64_t rows, int64_t bits, int64_t group) {
   if (bits == 8) return group != 32 && rows == 1 ? 4 : 1;
@@ -416,9 +417,8 @@ inline int64_t weight_block(int64_t rows, int64_t bits, int64_t group) {
   return rows == 1 ? 4 : rows == 2 ? 2 : 1;
 }
 
-// A weight of at least kLongWeightBytes read by one activation row: kLongStreams streams (qlinear_cpu).
-constexpr int64_t kLongStreams = 3;
-constexpr int64_t kLongWeightBytes = int64_t{8} << 20;
+// One activation row against an 8-bit weight: its rows read as this many streams (qlinear_cpu).
+constexpr int64_t kRowStreams = 3;
 
 // x (M, K) float32 -> (M, N) float32.
 at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
@@ -455,19 +455,36 @@ at::Tensor qlinear_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const 
     rows_q8_g32<1, 1>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, row_bytes, sp + n * groups, groups, K,
                       xp + m * K, K, op + m * N + n);
   };
+#endif
   if constexpr (BITS == 8) {
-    // One activation row against a long 8-bit weight in groups of 32 (a Q8_0 LM head, for sampled
-    // decode steps): its rows read as kLongStreams streams side by side, as qlinear_bounds reads the
-    // greedy head (greedy_head.cpp), each row's value the same. The 270M's 262144 x 640 head, one row,
-    // Zen 4, 1 / 2 / 3 / 4 streams interleaved in one process: 12.9 / 11.5 / 9.0 / 9.1 ms at one
-    // thread, 6.75 / 5.95 / 5.49 / 5.85 at two; a sampled decode step (temperature 0.8) 29.0 -> 28.2
-    // ms and 21.3 -> 20.8. The layers' weights (at most 1.4 MB here) showed no change either way.
-    if (M == 1 && group == 32 && !mp && N * row_bytes >= kLongWeightBytes) {
-      parallel_streams(N, kLongStreams, std::max(grain, tile), [&](int64_t n) { row_q8_g32(0, n); });
+    // One activation row (a decode step) against 8-bit rows (Q8_0, Q5_0, Q6_K, the int8 mode), one
+    // weight row at a time, the rows read as kRowStreams streams side by side (row r of each third,
+    // then row r + 1 of each), as qlinear_bounds reads the greedy head: one core keeps more of
+    // memory's bandwidth busy with a few sequential streams than with one. Each row's value is the
+    // same whichever way the rows are taken. Against tiles of rows (8-bit groups other than 32 four
+    // rows at a time), one thread, Zen 4, weights from memory, interleaved in one process: the 270M's
+    // 126 layer weights in a decode step's order 9.0 -> 8.2 and 9.4 -> 8.6 ms (its 640 x 2048 Q6_K
+    // weights 2.5 -> 1.8-2.0) while the machine's memory was shared (one stream read at 18 GB/s,
+    // 28 when quiet); quiet, 8.2 -> 6.8 (with its 4-bit ones streamed too). Together with
+    // qlinear_bounds' one-row loop (greedy_head.cpp), decode steps 21.7 -> 18.7 ms at one thread,
+    // 17.2 -> 16.5 at two (memory shared). Synthetic weights, quiet: 2048 x 640 in groups of 64
+    // 141 -> 89 us, 2048 x 2048 in groups of 128 342 -> 235; the 262144 x 640 Q8_0 head (sampled
+    // steps, read so before) 12.9 / 11.5 / 9.0 / 9.1 ms with 1 / 2 / 3 / 4 streams. Two streams
+    // measured within noise of three. (4- and 5-bit rows keep the tiles: their several rows per pass
+    // measured level with streams or faster, e.g. 4-bit 640 x 2048 84 against 93 us.)
+    if (M == 1) {
+      parallel_streams(N, kRowStreams, std::max(grain, tile), [&](int64_t n) {
+#ifdef TG_AVX2
+        if (group == 32 && !mp) return row_q8_g32(0, n);
+#endif
+        float y;
+        block_dot<BITS>(qp + n * row_bytes, row_bytes, sp + n * groups, groups, K, group, xp, K, 1, 1, &y);
+        if (mp) y += min_dot(mp + n * groups, xs, groups);
+        op[n] = y;
+      });
       return;
     }
   }
-#endif
   // Tasks of whole tiles, taken in turn (parallel_tasks: a preempted thread delays only its tile).
   parallel_tasks(N, std::max(grain, tile), [&](int64_t t0, int64_t t1) {
     float acc[kRowBlock * 4];
