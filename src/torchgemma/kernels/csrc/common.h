@@ -109,6 +109,19 @@ void parallel_streams(int64_t count, int64_t streams, int64_t task, const F& bod
   for (int64_t n = streams * per; n < count; ++n) body(n);
 }
 
+// Whether n floats are all finite (no infinity, no NaN): exponent bits never all ones, tested as
+// integers so that the loop vectorizes (std::all_of with std::isfinite compared one value at a time:
+// 27 of qlinear_int's 64 us on 125 x 640 activations against 16 weight rows, Zen 4).
+inline bool all_finite(const float* x, int64_t n) {
+  uint32_t exponent = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    exponent = std::max(exponent, bits & 0x7F800000u);
+  }
+  return exponent != 0x7F800000u;
+}
+
 // A scale or min as float32 (exact from float16).
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) {

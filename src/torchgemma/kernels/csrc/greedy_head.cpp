@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
   const double gamma = (K + 64) * kUnit / (1.0 - (K + 64) * kUnit);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x.data_ptr<float>() + m * K;
-    if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+    if (!all_finite(xm, K)) {
       // Nothing to bound with: every row stays in doubt (the caller computes them all).
       std::fill(approx.data_ptr<float>() + m * N, approx.data_ptr<float>() + (m + 1) * N, 0.f);
       std::fill(bound.data_ptr<float>() + m * N, bound.data_ptr<float>() + (m + 1) * N,

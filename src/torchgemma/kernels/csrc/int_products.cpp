@@ -415,7 +415,7 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
     for (int64_t m = m0; m < m1; ++m) {
       const float* xm = xp + m * K;
       X* xq = reinterpret_cast<X*>(a.xq.data()) + m * K;
-      if (!std::all_of(xm, xm + K, [](float v) { return std::isfinite(v); })) {
+      if (!all_finite(xm, K)) {
         bad[m] = 1;  // no integer rounding of inf or NaN: the row's products are NaN (below)
         std::fill(xq, xq + K, static_cast<X>(0));
         std::fill(a.d.begin() + m * (K / 32), a.d.begin() + (m + 1) * (K / 32), 0.f);
