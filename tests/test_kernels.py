@@ -83,6 +83,13 @@ def samples(name: str) -> list[tuple]:
         angles = torch.rand(2, 5, 32, generator=gen) * 100
         cos, sin = angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2)
         out.append((x, cos, sin))
+    elif name == "gelu_mul":
+        gate = torch.randn(3, 2, 133, generator=gen) * 4  # 798 values: every set's vector loop and its tail
+        # e^(-2u) past both ends, zeros of both signs (non-finite values: their own test, as opcheck's
+        # comparisons take no NaN)
+        gate[0, 0, :8] = torch.tensor([100.0, -9.5, 1e-30, -200.0, 0.0, -0.0, -60.0, 3e4])
+        up = torch.randn(3, 2, 133, generator=gen)
+        out += [(gate, up), (gate.transpose(0, 2), up.transpose(0, 2))]  # and views, not contiguous
     elif name == "decode_attention":
         for heads, kv_heads, keys, dim in [(4, 1, 37, 64), (8, 2, 20, 32), (2, 2, 1, 24)]:
             q = torch.randn(2, 1, heads, dim, generator=gen).transpose(1, 2)  # (B, H, 1, D), a view
@@ -148,7 +155,7 @@ def test_the_table_holds_every_operator():
     else defines one)."""
     assert set(OPS) == {
         "qlinear", "dequantize", "qlinear_dense", "qlinear_int", "qlinear_bounds", "row_norms",
-        "bounded_candidates", "rms_norm", "rope", "decode_attention", "decode_attention_ring",
+        "bounded_candidates", "rms_norm", "rope", "gelu_mul", "decode_attention", "decode_attention_ring",
         "decode_layer_qkv", "decode_layer_output",
     }  # fmt: skip
     for name, op in OPS.items():
@@ -215,7 +222,7 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
     cpp = getattr(torch.ops.torchgemma, name)
     for args in samples(name):
         ours, reference = cpp(*args), op.reference(*args)
-        if name in ("dequantize", "row_norms", "bounded_candidates", "rms_norm", "rope"):
+        if name in ("dequantize", "row_norms", "bounded_candidates", "rms_norm", "rope", "gelu_mul"):
             # The same float operations in the same order (row_norms' and rms_norm's float64 sums in
             # the C++'s order): the same bits.
             for a, b in zip(ours, reference) if isinstance(ours, tuple) else [(ours, reference)]:
@@ -263,12 +270,45 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
                 assert torch.allclose(a, c, rtol=1e-4, atol=1e-4 * c.abs().max().item()), name
 
 
+def test_gelu_mul_is_the_function_to_a_few_roundings(isa):
+    """gelu_mul against the function in float64, g / (1 + e^(-2u)) (the tanh form's value without
+    its cancellation where 1 + tanh(u) is small): within (8 + 8 |u|) float32 ulps wherever the result
+    is above 2^-120 (u's own float32 rounding moves e^(-2u) by |2u| ulps), at most 2^-119 where it is
+    below; ATen's tanh form misses that bound on a fifth of these gates. Non-finite gates give what ATen's
+    GELU gives (inf: inf, -inf and NaN: NaN), and every value is the reference's."""
+    gen = torch.Generator().manual_seed(7)
+    gate = torch.cat((torch.linspace(-30, 30, 600_001), torch.randn(100_000, generator=gen) * 5))
+    ours = torch.ops.torchgemma.gelu_mul(gate, torch.ones_like(gate)).double()
+    g = gate.double()
+    u = (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    exact = g / (1 + torch.exp(-2 * u))
+    normal = exact.abs() >= 2.0**-120
+    error = (ours - exact).abs()
+    assert (error[normal] <= ((8 + 8 * u.abs()) * 2.0**-24 * exact.abs())[normal]).all()
+    assert (ours[~normal].abs() <= 2.0**-119).all() and (~normal).any() and normal.sum() > 450_000
+    aten = F.gelu(gate, approximate="tanh").double()
+    missed = ((aten - exact).abs() > (8 + 8 * u.abs()) * 2.0**-24 * exact.abs()) & normal
+    assert missed.sum() > 0.1 * normal.sum()  # (the bound is not a loose one)
+
+    odd = torch.tensor([float("inf"), -float("inf"), float("nan"), 2.0])
+    up = torch.tensor([2.0, 1.0, 1.0, float("nan")])
+    result = torch.ops.torchgemma.gelu_mul(odd, up)
+    assert result[0] == float("inf") and result[1:].isnan().all()
+    assert F.gelu(odd[:3], approximate="tanh")[1:].isnan().all()  # ATen's: the same
+    reference = kernel_ops._gelu_mul_reference(odd, up)
+    assert reference[0] == float("inf") and reference[1:].isnan().all()
+    assert torch.equal(
+        torch.ops.torchgemma.gelu_mul(gate, gate.flip(0)), kernel_ops._gelu_mul_reference(gate, gate.flip(0))
+    )
+
+
 def _layer_by_operators(name: str, args: tuple):
     """decode_layer_*'s reference with the references of its kernels swapped for the C++ kernels."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_ops, "_qlinear_reference", torch.ops.torchgemma.qlinear)
         patch.setattr(kernel_ops, "_rms_norm_reference", torch.ops.torchgemma.rms_norm)
         patch.setattr(kernel_ops, "_rope_reference", torch.ops.torchgemma.rope)
+        patch.setattr(kernel_ops, "_gelu_mul_reference", torch.ops.torchgemma.gelu_mul)
         return OPS[name].reference(*args)
 
 
@@ -300,7 +340,7 @@ def _products() -> dict[str, torch.Tensor]:
                     out[key] = torch.ops.torchgemma.qlinear_int(x, *args, x_bits)
             out[f"dequantize/{bits}/{group}/{scale_dtype}"] = torch.ops.torchgemma.dequantize(*args)
     for name in (
-        "qlinear_bounds", "row_norms", "bounded_candidates", "rms_norm", "rope", "decode_attention",
+        "qlinear_bounds", "row_norms", "bounded_candidates", "rms_norm", "rope", "gelu_mul", "decode_attention",
         "decode_attention_ring", "decode_layer_qkv", "decode_layer_output",
     ):  # fmt: skip
         for i, call in enumerate(samples(name)):

@@ -6,6 +6,9 @@ them are worth one call each (``torchgemma::rms_norm``, ``rope``, ``decode_atten
 * RMSNorm -> ``FusedRMSNorm``: a dozen operators fewer per norm (109 norms per token on Gemma 3
   270M); the reference norm's result to a float32 rounding, not its bits;
 * ``apply_rope`` -> ``fused_rope``: four operators fewer per rotation, the same bits;
+* GatedMLP's ``gelu_tanh(gate) * up`` -> ``FusedGatedMLP``: one pass (``torchgemma::gelu_mul``)
+  where ATen's GELU (2.5 ns a value on AVX-512) and mul make two; the function to a few float32
+  roundings, not ATen's bits;
 * sdpa attention of one new token per row over its keys -> ``decode_attention``, one C++ call
   (the exact softmax's result to a float32 rounding; long contexts split over the threads in
   pieces of 1024 keys).
@@ -33,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from ..cache import RingKeys
 from ..kernels import ensure_kernels
 from ..model.attention import ATTENTION, AttentionInputs, sdpa_backend
-from ..model.layers import RMSNorm, apply_rope, gelu_tanh
+from ..model.layers import GatedMLP, RMSNorm, apply_rope, gaussian_topk, gelu_tanh
 from ..model.text import Attention, DecoderLayer
 
 
@@ -80,6 +83,43 @@ def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _ROPE = torch.ops.torchgemma.rope.default
+
+
+class FusedGatedMLP(GatedMLP):
+    """GatedMLP whose ``gelu_tanh(gate) * up`` is one C++ call (``torchgemma::gelu_mul``) on float32
+    CPU tensors: gate / (1 + e^(-2u)), the same function as ATen's tanh form to a few float32
+    roundings, not its bits (more precise where 1 + tanh(u) cancels). 125 x 2048 values, one
+    thread, Zen 4: 174 us against 464 for ATen's GELU and mul. Anything else (other dtypes or
+    devices, gradients, no C++ kernels) takes GatedMLP's operators."""
+
+    @classmethod
+    def adopting(cls, mlp: GatedMLP) -> FusedGatedMLP:
+        """``mlp`` itself, now of this class (its parts, weights and state dict untouched)."""
+        mlp.__class__ = cls
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        if self.activation_sparsity > 0:
+            gate = gaussian_topk(gate, self.std_multiplier[gate.dtype])
+        return self.down_proj(self.activate(gate, self.up_proj(x)))
+
+    @staticmethod
+    def activate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up``: the C++ call where it applies, else ATen's operators."""
+        if (
+            gate.dtype is torch.float32
+            and up.dtype is torch.float32
+            and gate.is_cpu
+            and up.is_cpu
+            and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
+            and ensure_kernels()
+        ):
+            return _GELU_MUL(gate, up)
+        return gelu_tanh(gate) * up
+
+
+_GELU_MUL = torch.ops.torchgemma.gelu_mul.default
 
 
 def sdpa_with_decode_kernel(
@@ -342,9 +382,9 @@ def _output_arguments(parts, attention: Attention, rows: int, reads: Reads) -> t
     """``decode_layer_output``'s lists for this layer (``rows`` float32 rows on the CPU), or None where its
     Python path must run (hooks, activation sparsity, products that are not the row kernel's)."""
     mlp = parts["mlp"]
-    reads.attributes(mlp, "activation_sparsity", "_compiled_call_impl")
-    if mlp.activation_sparsity > 0 or _hooked(mlp):
-        return None
+    reads.attributes(mlp, "__class__", "activation_sparsity", "_compiled_call_impl")
+    if type(mlp) is not FusedGatedMLP or mlp.activation_sparsity > 0 or _hooked(mlp):
+        return None  # (decode_layer_output's activation is FusedGatedMLP's gelu_mul)
     layers = mlp._modules
     reads.keys(layers, "gate_proj", "up_proj", "down_proj")
     reads.keys(attention._modules, "o_proj")
@@ -392,11 +432,13 @@ _DECODE_LAYER_OUTPUT = torch.ops.torchgemma.decode_layer_output.default
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``GatedMLP.forward`` without activation sparsity, its parts called directly."""
-    if mlp.activation_sparsity > 0 or _hooked(mlp):
+    """``GatedMLP.forward`` (or FusedGatedMLP's) without activation sparsity, its parts called directly."""
+    if mlp.activation_sparsity > 0 or _hooked(mlp) or type(mlp) not in (GatedMLP, FusedGatedMLP):
         return mlp(x)
     parts = mlp._modules
-    return _call(parts["down_proj"], gelu_tanh(_call(parts["gate_proj"], x)) * _call(parts["up_proj"], x))
+    gate, up = _call(parts["gate_proj"], x), _call(parts["up_proj"], x)
+    gated = FusedGatedMLP.activate(gate, up) if type(mlp) is FusedGatedMLP else gelu_tanh(gate) * up
+    return _call(parts["down_proj"], gated)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -433,8 +475,8 @@ def _has_global_hooks() -> bool:
 
 
 def fuse_cpu_ops(model: nn.Module) -> nn.Module:
-    """Make the text decoder's RMSNorms, RoPE rotations and decode-step attention single C++ calls,
-    in place (see the module docstring); returns the model. Where the C++ kernels cannot be built
+    """Make the text decoder's RMSNorms, RoPE rotations, GeGLU activations and decode-step attention
+    single C++ calls, in place (see the module docstring); returns the model. Where the C++ kernels cannot be built
     the model keeps the reference's operators (``torchgemma.kernels.kernel_status()`` says why)."""
     ensure_kernels()  # built or loaded now rather than in the first forward
     text = getattr(model, "language_model", model)
@@ -447,4 +489,6 @@ def fuse_cpu_ops(model: nn.Module) -> nn.Module:
             module.backends = FUSED_ATTENTION
         elif type(module) is DecoderLayer:
             FusedDecoderLayer.adopting(module)
+        elif type(module) is GatedMLP:
+            FusedGatedMLP.adopting(module)
     return model

@@ -325,6 +325,55 @@ def _rope_reference(x, cos, sin) -> torch.Tensor:
     return (x * cos[:, :, None] + rotated * sin[:, :, None]).contiguous()
 
 
+_F32 = torch.float32
+# exp_ieee's constants (csrc/common.h), as float32.
+_LOG2E, _LN2_HIGH, _LN2_LOW = (
+    torch.tensor(v, dtype=_F32) for v in (1.44269504088896341, 0.693359375, -2.12194440e-4)
+)
+_EXP_POLY = [
+    torch.tensor(v, dtype=_F32)
+    for v in (
+        1.9875691500e-4,
+        1.3981999507e-3,
+        8.3334519073e-3,
+        4.1665795894e-2,
+        1.6666665459e-1,
+        5.0000001201e-1,
+    )
+]
+_EXP_HIGH, _EXP_LOW = 88.0, -87.0
+_GELU_BETA, _GELU_KAPPA = torch.tensor(0.7978845608028654, dtype=_F32), torch.tensor(0.044715, dtype=_F32)
+
+
+def _exp_ieee(y: torch.Tensor) -> torch.Tensor:
+    """e^y, float32, the C++'s exp_ieee step for step (IEEE operations, no fused multiply-add: its bits):
+    n = round(y log2 e), r = (y - n ln2_high) - n ln2_low, Cephes' polynomial, times 2^n; infinity
+    above 88, 0 below -87, NaN for NaN."""
+    c = y.clamp(_EXP_LOW, _EXP_HIGH)
+    n = torch.round(c * _LOG2E)  # ties to even
+    r = (c - n * _LN2_HIGH) - n * _LN2_LOW
+    p = _EXP_POLY[0].expand_as(r)
+    for coefficient in _EXP_POLY[1:]:
+        p = p * r + coefficient
+    p = (p * (r * r) + r) + 1.0
+    two_n = ((n.nan_to_num().to(torch.int32) + 127) << 23).view(_F32)
+    e = p * two_n
+    e = torch.where(y > _EXP_HIGH, torch.inf, e)
+    e = torch.where(y < _EXP_LOW, 0.0, e)
+    return torch.where(y.isnan(), y, e)
+
+
+def _gelu_mul_reference(gate, up) -> torch.Tensor:
+    """gelu_tanh(gate) * up as the C++ computes it (csrc/norms_rope.cpp): gate / (1 + e^(-2u)) * up with
+    u = sqrt(2 / pi) (gate + 0.044715 gate^3), float32 operators, its bits."""
+    if gate.dtype != _F32 or up.dtype != _F32:
+        raise ValueError(f"gelu_mul: float32 tensors expected, got {gate.dtype} and {up.dtype}")
+    if gate.shape != up.shape:
+        raise ValueError(f"gelu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ in shape")
+    u = _GELU_BETA * (gate + _GELU_KAPPA * ((gate * gate) * gate))
+    return (gate / (1.0 + _exp_ieee(u * -2.0)) * up).contiguous()
+
+
 def _decode_layer_lists(op: str, products, formats, count: int, norms, eps, plus_one, norm_counts) -> None:
     if len(products) != 3 * count or len(formats) != 2 * count:
         raise ValueError(
@@ -377,8 +426,8 @@ def _decode_layer_output_reference(x, attended, products, formats, norms, eps, p
     out = _layer_product(attended.reshape(*attended.shape[:2], -1), products, formats, 0)
     h = x + _layer_norm(out, norms, eps, plus_one, 0)
     m = _layer_norm(h, norms, eps, plus_one, 1)
-    gated = F.gelu(_layer_product(m, products, formats, 1), approximate="tanh") * _layer_product(
-        m, products, formats, 2
+    gated = _gelu_mul_reference(
+        _layer_product(m, products, formats, 1), _layer_product(m, products, formats, 2)
     )
     return h + _layer_norm(_layer_product(gated, products, formats, 3), norms, eps, plus_one, 2)
 
@@ -510,6 +559,10 @@ def _rope_fake(x, cos, sin):
     return x.new_empty(x.shape)  # contiguous, as the C++ returns it
 
 
+def _gelu_mul_fake(gate, up):
+    return gate.new_empty(gate.shape)  # contiguous, as the C++ returns it
+
+
 def _decode_attention_fake(q, k, v, scale, visible=None):
     return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
@@ -574,6 +627,8 @@ OPERATORS: tuple[Operator, ...] = (
     ),
     # RoPE in one call (float32), the bits of layers.apply_rope (fused_rope).
     Operator("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope_fake, _rope_reference),
+    # GeGLU's gelu_tanh(gate) * up in one call (float32): what a quantized model's MLPs run.
+    Operator("gelu_mul(Tensor gate, Tensor up) -> Tensor", _gelu_mul_fake, _gelu_mul_reference),
     # One new token's attention over its keys (all, or those `visible` marks), float32: a decode step's.
     Operator(
         "decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? visible=None) -> Tensor",

@@ -109,6 +109,66 @@ void parallel_streams(int64_t count, int64_t streams, int64_t task, const F& bod
   for (int64_t n = streams * per; n < count; ++n) body(n);
 }
 
+// e^y from IEEE operations only (no fused multiply-add), so that every instruction set and a
+// PyTorch reference give the same bits (ops.py's _exp_ieee): n = round(y log2 e) (ties to even),
+// r = (y - n ln2_high) - n ln2_low, e^r = ((((((p0 r + p1) r + p2) r + p3) r + p4) r + p5) r^2 + r) +
+// 1 (Cephes' expf polynomial, good to ~1 ulp), times 2^n built from its bits; y above kExpHigh gives
+// infinity, below kExpLow 0, NaN itself. Scalar here; 8 and 16 lanes below (the same operations).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 in two parts: n * kLn2High exact
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+constexpr float kExpHigh = 88.0f, kExpLow = -87.0f;  // e^y is infinite above, 0 below
+inline float exp_ieee(float y) {
+  if (std::isnan(y)) return y;
+  if (y > kExpHigh) return std::numeric_limits<float>::infinity();
+  if (y < kExpLow) return 0.f;
+  const float n = std::nearbyint(y * kLog2e);
+  const float r = (y - n * kLn2High) - n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
+  p = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#ifdef TG_AVX2
+inline __m256 exp_ieee(__m256 y) {
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(kExpLow)), _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(kLn2High))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Low)));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(y, _mm256_set1_ps(kExpHigh), _CMP_GT_OQ));
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(y, _mm256_set1_ps(kExpLow), _CMP_LT_OQ));
+  return _mm256_blendv_ps(e, y, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+}
+#endif
+#ifdef TG_AVX512
+inline __m512 exp_ieee(__m512 y) {
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(kExpLow)), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(kLn2High))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(kLn2Low)));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(kExpHigh), _CMP_GT_OQ),
+                         _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, _mm512_set1_ps(kExpLow), _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), y);
+}
+#endif
+
 // Whether n floats are all finite (no infinity, no NaN): exponent bits never all ones, tested as
 // integers so that the loop vectorizes (std::all_of with std::isfinite compared one value at a time:
 // 27 of qlinear_int's 64 us on 125 x 640 activations against 16 weight rows, Zen 4).

@@ -12,30 +12,10 @@ namespace torchgemma::TG_ISA {
 // and values shared by groups of H / Hkv query heads. softmax(scale * q k^T) v in float32, each
 // group of heads reading its keys and values once, on one thread per (row, KV head, piece of keys):
 // for one token the work is small, and threads share it only where a lone piece has many keys (a
-// sliding layer's whole window: kSplitKeys). Exponentials by a polynomial good to ~1 ulp, so the result is the exact softmax's
-// to a float32 rounding, not sdpa's bits.
+// sliding layer's whole window: kSplitKeys). Exponentials by a polynomial good to ~1 ulp (exp_ieee,
+// common.h), so the result is the exact softmax's to a float32 rounding, not sdpa's bits.
 
 #ifdef TG_AVX2
-// e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r = 1 + r + r^2 P(r) (Cephes' expf
-// coefficients), times 2^n. Below -87.3 (e^x < 2^-126) the lanes give e^-87.3, not 0: nothing that
-// adds to a sum of at least 1 (the largest term) notices.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 // The sums of eight vectors' lanes, as the lanes of one.
 inline __m256 hsum8(const __m256 (&a)[8]) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -132,7 +112,7 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
 #ifdef TG_AVX2
     __m256 total = _mm256_setzero_ps();
     for (; j + 8 <= S; j += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top)));
+      const __m256 e = exp_ieee(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top)));
       _mm256_storeu_ps(p + j, e);
       total = _mm256_add_ps(total, e);
     }

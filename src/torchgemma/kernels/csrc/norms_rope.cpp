@@ -1,4 +1,5 @@
-// rms_norm and rope: a quantized model's norms and rotations in one call each (CPU fusions).
+// rms_norm, rope and gelu_mul: a quantized model's norms, rotations and GeGLU activations in one call
+// each (CPU fusions).
 
 #include <ATen/ops/empty_like.h>
 
@@ -87,6 +88,62 @@ at::Tensor rope_cpu(const at::Tensor& x_in, const at::Tensor& cos_in, const at::
         for (int64_t j = half; j < D; ++j) o[j] = xr[j] * cr[j] + xr[j - half] * sr[j];
       }
     }
+  });
+  return out;
+}
+
+// ── GeGLU's activation in one call ─────────────────────────────────────────────────────────────
+//
+// gelu_mul(gate, up) = gelu_tanh(gate) * up, value by value, float32: a quantized model's MLPs
+// (FusedGatedMLP, decode_layer_output). gelu_tanh(g) = g / 2 * (1 + tanh(u)) with u = sqrt(2 / pi) *
+// (g + 0.044715 g^3) is computed as g / (1 + e^(-2u)), the same function (1 + tanh(u) = 2 / (1 +
+// e^(-2u))), so the result is the exact function's to a few float32 roundings everywhere (ATen's
+// tanh form loses relative precision where 1 + tanh(u) cancels, g below about -2), not ATen's bits.
+// e^y is exp_ieee's (common.h): IEEE operations only, so every instruction set and the reference in
+// ops.py give the same bits. ATen's gelu and mul took 438 + 23 us on 125 x 2048 values
+// (one thread, Zen 4: its AVX-512 tanh runs at 2.5 ns a value).
+
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f;
+
+inline float gelu_mul_one(float g, float up) {
+  const float u = kGeluBeta * (g + kGeluKappa * ((g * g) * g));
+  return g / (1.0f + exp_ieee(u * -2.0f)) * up;
+}
+
+at::Tensor gelu_mul_cpu(const at::Tensor& gate_in, const at::Tensor& up_in) {
+  TORCH_CHECK(gate_in.scalar_type() == at::kFloat && up_in.scalar_type() == at::kFloat,
+              "gelu_mul: float32 tensors expected, got ", gate_in.scalar_type(), " and ", up_in.scalar_type());
+  TORCH_CHECK(gate_in.sizes() == up_in.sizes(), "gelu_mul: gate ", gate_in.sizes(), " and up ", up_in.sizes(),
+              " differ in shape");
+  const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
+  at::Tensor out = at::empty_like(gate);
+  const float* gp = gate.data_ptr<float>();
+  const float* up_p = up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), 16384, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+#ifdef TG_AVX512
+    for (; i + 16 <= i1; i += 16) {
+      const __m512 g = _mm512_loadu_ps(gp + i);
+      const __m512 u = _mm512_mul_ps(
+          _mm512_set1_ps(kGeluBeta),
+          _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
+      const __m512 e = exp_ieee(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)));
+      _mm512_storeu_ps(op + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                             _mm512_loadu_ps(up_p + i)));
+    }
+#elif defined(TG_AVX2)
+    for (; i + 8 <= i1; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gp + i);
+      const __m256 u = _mm256_mul_ps(
+          _mm256_set1_ps(kGeluBeta),
+          _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), _mm256_mul_ps(_mm256_mul_ps(g, g), g))));
+      const __m256 e = exp_ieee(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)));
+      _mm256_storeu_ps(op + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                             _mm256_loadu_ps(up_p + i)));
+    }
+#endif
+    for (; i < i1; ++i) op[i] = gelu_mul_one(gp[i], up_p[i]);
   });
   return out;
 }

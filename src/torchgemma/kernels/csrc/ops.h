@@ -29,6 +29,7 @@ std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& appr
 // norms_rope.cpp
 at::Tensor rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps, bool plus_one);
 at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor gelu_mul_cpu(const at::Tensor& gate, const at::Tensor& up);
 // decode_attention.cpp
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                 const std::optional<at::Tensor>& visible);

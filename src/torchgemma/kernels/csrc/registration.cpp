@@ -44,6 +44,7 @@ struct Kernels {
   decltype(&portable::bounded_candidates_cpu) bounded_candidates;
   decltype(&portable::rms_norm_cpu) rms_norm;
   decltype(&portable::rope_cpu) rope;
+  decltype(&portable::gelu_mul_cpu) gelu_mul;
   decltype(&portable::decode_attention_cpu) decode_attention;
   decltype(&portable::decode_attention_ring_cpu) decode_attention_ring;
   decltype(&portable::decode_layer_qkv_cpu) decode_layer_qkv;
@@ -54,7 +55,7 @@ struct Kernels {
   Kernels {                                                                                                     \
     &isa::qlinear_cpu, &isa::dequantize_cpu, &isa::qlinear_dense_cpu, &isa::qlinear_int_cpu,                  \
         &isa::qlinear_bounds_cpu, &isa::row_norms_cpu, &isa::bounded_candidates_cpu, &isa::rms_norm_cpu,      \
-        &isa::rope_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu, &isa::decode_layer_qkv_cpu, \
+        &isa::rope_cpu, &isa::gelu_mul_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu, &isa::decode_layer_qkv_cpu, \
         &isa::decode_layer_output_cpu                                                                          \
   }
 
@@ -118,6 +119,7 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return kernels().rope(x, cos, sin);
 }
+at::Tensor gelu_mul(const at::Tensor& gate, const at::Tensor& up) { return kernels().gelu_mul(gate, up); }
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                             const std::optional<at::Tensor>& visible) {
   return kernels().decode_attention(q, k, v, scale, visible);
@@ -193,6 +195,7 @@ int torchgemma_register() {
     fresh->impl("bounded_candidates", TORCH_FN(torchgemma::bounded_candidates));
     fresh->impl("rms_norm", TORCH_FN(torchgemma::rms_norm));
     fresh->impl("rope", TORCH_FN(torchgemma::rope));
+    fresh->impl("gelu_mul", TORCH_FN(torchgemma::gelu_mul));
     fresh->impl("decode_attention", TORCH_FN(torchgemma::decode_attention));
     fresh->impl("decode_attention_ring", TORCH_FN(torchgemma::decode_attention_ring));
     fresh->impl("decode_layer_qkv", TORCH_FN(torchgemma::decode_layer_qkv));
