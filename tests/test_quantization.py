@@ -375,20 +375,24 @@ FEW_ROW_CASES = [
 ]
 
 
+@pytest.mark.parametrize("x_bits", [16, 8])
 @pytest.mark.parametrize(("bits", "group", "mins", "scale_dtype"), FEW_ROW_CASES)
-def test_few_row_int16_products_give_the_bits_of_a_many_row_call(bits, group, mins, scale_dtype):
-    """Calls of up to 7 rows (decode steps) read the stored integers in place where the CPU has
-    AVX-512 VNNI; calls of more rows interleave them (or take the portable loop). Each row's int16
-    product is the same bits either way, in every instruction set's build: 70 weight rows (a partial
-    block of 16), 1-16 activation rows."""
+def test_few_row_integer_products_give_the_bits_of_a_many_row_call(bits, group, mins, scale_dtype, x_bits):
+    """Where the CPU has AVX-512 VNNI, int16 calls of up to 7 rows (decode steps) read the stored
+    integers in place, calls of 8-11 rows interleave the weight's, calls of 12 and more the
+    activations' (lane groups of 16, the last one partial here); elsewhere the portable loop. Each
+    row's product is the same bits every way, in every instruction set's build: 70 weight rows (a
+    partial block of 16), 1-40 activation rows, 96 features for int8 (a row of 96 bytes: one 64-byte
+    transpose and a tail)."""
     ensure_kernels()
-    x, *rest = _i8_inputs(bits, group, mins, scale_dtype, 40, 70, 320, seed=5)
+    k = 96 if x_bits == 8 and group in (16, 32) else 320
+    x, *rest = _i8_inputs(bits, group, mins, scale_dtype, 40, 70, k, seed=5)
     runs = {}
     for isa in kernels.available_isas():
         with kernels.using_isa(isa):
-            many = torch.ops.torchgemma.qlinear_int(x, *rest, 16)
-            for m in (1, 2, 3, 4, 7, 8, 16):
-                few = torch.ops.torchgemma.qlinear_int(x[:m].clone(), *rest, 16)
+            many = torch.ops.torchgemma.qlinear_int(x, *rest, x_bits)
+            for m in (1, 2, 3, 4, 7, 8, 11, 12, 16, 17):
+                few = torch.ops.torchgemma.qlinear_int(x[:m].clone(), *rest, x_bits)
                 assert torch.equal(few, many[:m]), (isa, m)
             runs[isa] = many
     first = next(iter(runs.values()))

@@ -26,9 +26,10 @@ namespace torchgemma::TG_ISA {
 // tokens there, at ~1.6x the float32 BLAS's speed (benchmarks/README.md).
 //
 // For VNNI the integers of 16 rows are interleaved a dword at a time (one 64-byte load holds values
-// k..k+3 (bytes) or k..k+1 (int16) of each row), a slab of rows at a time, in each thread's own buffer.
-// Calls of a few rows with 16-bit activations read the stored integers in place instead
-// (int16_direct, below): interleaving would cost more than the products.
+// k..k+3 (bytes) or k..k+1 (int16) of each row): the weight's, a slab of rows at a time, in each
+// thread's own buffer, for calls of 8-11 rows; the activations', once per call, for calls of 12 rows
+// and more (the lane tiles, below). Calls of a few rows with 16-bit activations read the stored
+// integers in place instead (int16_direct, below): interleaving would cost more than the products.
 
 constexpr int64_t kIntRows = 16;  // rows per interleaved group (the lanes of one 512-bit register)
 // A VNNI tile: this many activation rows times this many interleaved groups (4 x 2: tiles of 6 x 2,
@@ -77,18 +78,16 @@ inline void transpose_dwords16(const uint8_t* src, int64_t stride, uint8_t* dst)
 #endif
 
 // Rows n0..n0 + 16 of the weight as the products' integers (XB 8: unsigned bytes, q + 128 for 8-bit
-// weights; XB 16: int16), interleaved a dword at a time (rows past N are zero), and their scales and
-// mins per group as float32 (16 per group).
+// weights; XB 16: int16), row after row at `rows` (K values each; rows past N are zero), and their
+// scales and mins per group as float32 (16 per group: spack[g * 16 + r]).
 template <int XB, int BITS, typename S>
-void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
-                   int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
+void int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K, int64_t G,
+              int64_t n0, uint8_t* rows, float* spack, float* mpack) {
   using W = typename IntTypes<XB>::W;
   const int64_t groups = K / G, row_size = K * static_cast<int64_t>(sizeof(W));
-  thread_local std::vector<uint8_t> buffer;
-  buffer.resize(kIntRows * row_size);
   for (int64_t r = 0; r < kIntRows; ++r) {
     const int64_t n = n0 + r;
-    W* row = reinterpret_cast<W*>(buffer.data() + r * row_size);
+    W* row = reinterpret_cast<W*>(rows + r * row_size);
     if (n < N) {
       const uint8_t* q = qp + n * row_bytes;
       if constexpr (BITS == 8) {
@@ -121,13 +120,28 @@ void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_byte
       if (mpack) mpack[g * kIntRows + r] = n < N ? to_float(mp[n * groups + g]) : 0.f;
     }
   }
+}
+
+// 16 rows of `row_size` bytes (row_size a multiple of 4) interleaved a dword at a time:
+// dst[j * 64 + r * 4 ..] = row r's dword j.
+inline void interleave_dwords16(const uint8_t* rows, int64_t row_size, uint8_t* dst) {
   int64_t at = 0;  // bytes of each row done
 #ifdef TG_AVX512
-  for (; at + 64 <= row_size; at += 64) transpose_dwords16(buffer.data() + at, row_size, wpack + at * kIntRows);
+  for (; at + 64 <= row_size; at += 64) transpose_dwords16(rows + at, row_size, dst + at * kIntRows);
 #endif
   for (; at < row_size; at += 4)
-    for (int64_t r = 0; r < kIntRows; ++r)
-      std::memcpy(wpack + at * kIntRows + r * 4, buffer.data() + r * row_size + at, 4);
+    for (int64_t r = 0; r < kIntRows; ++r) std::memcpy(dst + at * kIntRows + r * 4, rows + r * row_size + at, 4);
+}
+
+// int_rows, interleaved (the portable loop's layout: one 16-lane vector per dword of values).
+template <int XB, int BITS, typename S>
+void pack_int_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes, int64_t N, int64_t K,
+                   int64_t G, int64_t n0, uint8_t* wpack, float* spack, float* mpack) {
+  const int64_t row_size = K * static_cast<int64_t>(sizeof(typename IntTypes<XB>::W));
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(kIntRows * row_size);
+  int_rows<XB, BITS>(qp, sp, mp, row_bytes, N, K, G, n0, buffer.data(), spack, mpack);
+  interleave_dwords16(buffer.data(), row_size, wpack);
 }
 
 // The activations' rounding: xq (M, K) of XB bits (as bytes), d (M, K / 32), and the span sums X (M, K / F).
@@ -250,6 +264,147 @@ void int_rows_vnni(const uint8_t* wpack, int64_t wstride, const float* spack, co
 bool cpu_has_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   return has;
+}
+
+// Calls of kLaneRows rows or more (prefill, batched decode of 12+ requests) interleave the
+// activations instead, 16 rows per lane group a dword at a time, once per call, and broadcast each
+// weight row's integers a dword at a time against them (a tile: 4 weight rows times 2 lane groups);
+// the accumulators' lanes are 16 activation rows of one output column, transposed on the way out. The
+// weight is only widened (int_rows), row after row, with the next 16 rows fetched into L2 while these
+// are computed. The same integer sums and float steps in the same order: the same bits as the
+// interleaved-weight tiles above. Gemma 3 270M's 126 layer weights, one thread, Zen 4, medians of 15
+// calls interleaved in one process (lanes / interleaved weights): 8 rows 32.4 / 30.4 ms, 12 rows 31.9
+// / 34.6, 16 rows 32.3 / 39.4, 24 rows 51.0 / 49.6, 48 rows 70.5 / 76.8, 125 rows (the prefill of
+// bench_gguf's prompt) 214 / 221 while the machine was shared (the whole prefill 211.6 / 213.5 ms);
+// fetching the next rows ahead or not: 16 rows 41.3 / 43.3 ms, 125 rows 166.7 / 168.1. Lanes left empty (8 rows: half of
+// the group's) cost what they would have computed, so fewer rows keep the interleaved weights.
+constexpr int64_t kLaneRows = 12;
+
+struct LaneActivations {
+  int64_t groups = 0;
+  std::vector<uint8_t> x;       // [lane group][K * xb / 4 dwords][16 rows]
+  std::vector<float> d;         // [lane group][K / 32 blocks][16 rows]
+  std::vector<int32_t> sums;    // [lane group][K / F spans][16 rows]
+};
+
+template <int XB>
+LaneActivations lane_activations(const IntActivations& a, int64_t M, int64_t K, int64_t F) {
+  const int64_t row = K * (XB / 8), blocks = K / 32, spans = K / F;
+  LaneActivations l;
+  l.groups = (M + kIntRows - 1) / kIntRows;
+  l.x.resize(l.groups * kIntRows * row);
+  l.d.assign(l.groups * blocks * kIntRows, 0.f);
+  l.sums.assign(l.groups * spans * kIntRows, 0);
+  at::parallel_for(0, l.groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> rows(kIntRows * row, 0);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t m0 = g * kIntRows, count = std::min<int64_t>(kIntRows, M - m0);
+      std::memcpy(rows.data(), a.xq.data() + m0 * row, count * row);
+      std::memset(rows.data() + count * row, 0, (kIntRows - count) * row);  // rows past M: zero
+      interleave_dwords16(rows.data(), row, l.x.data() + g * kIntRows * row);
+      for (int64_t r = 0; r < count; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) l.d[(g * blocks + b) * kIntRows + r] = a.d[(m0 + r) * blocks + b];
+        for (int64_t s = 0; s < spans; ++s) l.sums[(g * spans + s) * kIntRows + r] = a.sums[(m0 + r) * spans + s];
+      }
+    }
+  });
+  return l;
+}
+
+// NT weight rows (row after row at w, `row_size` bytes apart; scales and mins at spack / mpack[g * 16 +
+// n]) times MG lane groups from g0: the float steps of the interleaved tiles above, per (row, column),
+// in the same order. tmp[j * 256 + n * 16 + lane] = column n's value for row lane of group g0 + j.
+template <int XB, int NT, int MG, bool MINS, int FS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_lane_tile(
+    const uint8_t* w, int64_t row_size, const float* spack, const float* mpack, const LaneActivations& l,
+    int64_t g0, int64_t K, int64_t G, int64_t F_, int off, float* tmp) {
+  const int64_t F = FS ? FS : F_;  // the span, known to the compiler where it can be (its loop unrolled)
+  constexpr int64_t xb = XB / 8, per = 4 / xb;  // bytes per value, values per dword
+  const int64_t spans = K / F, blocks = K / 32, gstride = K * xb * kIntRows;
+  const uint8_t* x = l.x.data() + g0 * gstride;
+  __m512 acc[NT][MG];
+  for (int n = 0; n < NT; ++n)
+    for (int j = 0; j < MG; ++j) acc[n][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < spans; ++s) {
+    __m512i isum[NT][MG];
+    for (int n = 0; n < NT; ++n)
+      for (int j = 0; j < MG; ++j) isum[n][j] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int64_t k = s * F; k < (s + 1) * F; k += per) {
+      __m512i xv[MG];
+      for (int j = 0; j < MG; ++j)
+        xv[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(x + j * gstride + k * xb * kIntRows));
+      for (int n = 0; n < NT; ++n) {
+        int32_t dword;
+        std::memcpy(&dword, w + n * row_size + k * xb, 4);
+        const __m512i wv = _mm512_set1_epi32(dword);
+        for (int j = 0; j < MG; ++j) {
+          if constexpr (XB == 8) isum[n][j] = _mm512_dpbusd_epi32(isum[n][j], wv, xv[j]);
+          else isum[n][j] = _mm512_dpwssd_epi32(isum[n][j], xv[j], wv);
+        }
+      }
+    }
+    const int64_t g = s * F / G;
+    __m512i X[MG];
+    __m512 Xf[MG], dm[MG];
+    for (int j = 0; j < MG; ++j) {
+      X[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(l.sums.data() + ((g0 + j) * spans + s) * kIntRows));
+      if constexpr (MINS) Xf[j] = _mm512_cvtepi32_ps(X[j]);
+      dm[j] = _mm512_loadu_ps(l.d.data() + ((g0 + j) * blocks + s * F / 32) * kIntRows);
+      if (off) X[j] = _mm512_mullo_epi32(X[j], _mm512_set1_epi32(off));
+    }
+    for (int n = 0; n < NT; ++n) {
+      const __m512 sc = _mm512_set1_ps(spack[g * kIntRows + n]);
+      __m512 mn;
+      if constexpr (MINS) mn = _mm512_set1_ps(mpack[g * kIntRows + n]);
+      for (int j = 0; j < MG; ++j) {
+        __m512i i = isum[n][j];
+        if (off) i = _mm512_sub_epi32(i, X[j]);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(i), sc);
+        if constexpr (MINS) v = _mm512_fmadd_ps(mn, Xf[j], v);
+        acc[n][j] = _mm512_fmadd_ps(v, dm[j], acc[n][j]);
+      }
+    }
+  }
+  for (int n = 0; n < NT; ++n)
+    for (int j = 0; j < MG; ++j) _mm512_storeu_ps(tmp + j * 256 + n * kIntRows, acc[n][j]);
+}
+
+// Weight rows n0..n0 + valid (int_rows' layout at rows, spack, mpack) against every lane group:
+// out[m, n0 + n].
+template <int XB, bool MINS>
+void int_lane_rows(const uint8_t* rows, const float* spack, const float* mpack, const LaneActivations& l,
+                   int64_t M, int64_t K, int64_t G, int64_t F, int off, int64_t valid, float* out, int64_t N) {
+  constexpr int NT = 4, MG = 2;  // a tile: 4 weight rows times 2 lane groups (32 activation rows)
+  const int64_t row_size = K * (XB / 8);
+  alignas(64) float tmp[MG * 256];
+  alignas(64) float cols[256];
+  for (int64_t g0 = 0; g0 < l.groups; g0 += MG) {
+    const int64_t mg = std::min<int64_t>(MG, l.groups - g0);
+    for (int64_t n = 0; n < valid; n += NT) {
+      const uint8_t* w = rows + n * row_size;
+      const float* mn = mpack ? mpack + n : nullptr;
+      float* t = tmp + n * kIntRows;
+      if (mg == MG && F == 32)
+        int_lane_tile<XB, NT, MG, MINS, 32>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+      else if (mg == MG && F == 16)
+        int_lane_tile<XB, NT, MG, MINS, 16>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+      else if (mg == MG)
+        int_lane_tile<XB, NT, MG, MINS, 0>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+      else if (F == 32)
+        int_lane_tile<XB, NT, 1, MINS, 32>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+      else
+        int_lane_tile<XB, NT, 1, MINS, 0>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    for (int64_t j = 0; j < mg; ++j) {
+      // tmp's block j: column n's 16 rows at n * 16 -> cols: row m's 16 columns at m * 16.
+      transpose_dwords16(reinterpret_cast<const uint8_t*>(tmp + j * 256), 64, reinterpret_cast<uint8_t*>(cols));
+      const int64_t m0 = (g0 + j) * kIntRows;
+      for (int64_t m = 0; m < std::min<int64_t>(kIntRows, M - m0); ++m)
+        _mm512_mask_storeu_ps(out + (m0 + m) * N, mask, _mm512_load_ps(cols + m * kIntRows));
+    }
+  }
 }
 
 // Few activation rows, 16-bit (decode steps): the stored integers read in place, no interleaving.
@@ -442,6 +597,32 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
 #ifdef TG_VNNI
     if constexpr (XB == 16) {
       if (int16_direct<BITS>(qp, sp, mp, qweight.size(1), N, K, group, a, M, op)) return;
+    }
+#endif
+#ifdef TG_VNNI
+    if (cpu_has_vnni() && M >= kLaneRows) {
+      const LaneActivations l = lane_activations<XB>(a, M, K, F);
+      const int64_t blocks = (N + kIntRows - 1) / kIntRows, row_size = K * static_cast<int64_t>(sizeof(W));
+      const int64_t task = std::max<int64_t>(1, std::min<int64_t>(8, blocks / (4 * at::get_num_threads())));
+      parallel_tasks(blocks, task, [&](int64_t b0, int64_t b1) {
+        std::vector<uint8_t> rows(kIntRows * row_size);
+        std::vector<float> spack(sstride), mpack(mp ? sstride : 0);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * kIntRows, valid = std::min<int64_t>(kIntRows, N - n0);
+          if (b + 1 < blocks) {  // the next block's rows, fetched while this one is computed
+            const char* next = reinterpret_cast<const char*>(qp + (n0 + kIntRows) * qweight.size(1));
+            const int64_t bytes = std::min<int64_t>(kIntRows, N - n0 - kIntRows) * qweight.size(1);
+            for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T1);
+          }
+          int_rows<XB, BITS>(qp, sp, mp, qweight.size(1), N, K, group, n0, rows.data(), spack.data(),
+                             mp ? mpack.data() : nullptr);
+          if (mp)
+            int_lane_rows<XB, true>(rows.data(), spack.data(), mpack.data(), l, M, K, group, F, off, valid, op + n0, N);
+          else
+            int_lane_rows<XB, false>(rows.data(), spack.data(), nullptr, l, M, K, group, F, off, valid, op + n0, N);
+        }
+      });
+      return;
     }
 #endif
     // Two interleaved groups (32 rows) per task: their integers (~20-128 KB) stay in L1/L2 while every
