@@ -151,6 +151,14 @@ struct IntActivations {
   std::vector<int32_t> sums;
 };
 
+// The same interleaved for the lane tiles (VNNI, calls of kLaneRows rows or more; below).
+struct LaneActivations {
+  int64_t groups = 0;
+  std::vector<uint8_t> x;     // [lane group][K * xb / 4 dwords][16 rows]
+  std::vector<float> d;       // [lane group][K / 32 blocks][16 rows]
+  std::vector<int32_t> sums;  // [lane group][K / F spans][16 rows]
+};
+
 // One interleaved group of 16 rows against activation rows m0..m0 + count, portable: out[m][r].
 template <int XB>
 void int_group_portable(const uint8_t* wpack, const float* spack, const float* mpack, const IntActivations& a,
@@ -280,19 +288,11 @@ bool cpu_has_vnni() {
 // the group's) cost what they would have computed, so fewer rows keep the interleaved weights.
 constexpr int64_t kLaneRows = 12;
 
-struct LaneActivations {
-  int64_t groups = 0;
-  std::vector<uint8_t> x;       // [lane group][K * xb / 4 dwords][16 rows]
-  std::vector<float> d;         // [lane group][K / 32 blocks][16 rows]
-  std::vector<int32_t> sums;    // [lane group][K / F spans][16 rows]
-};
-
 template <int XB>
-LaneActivations lane_activations(const IntActivations& a, int64_t M, int64_t K, int64_t F) {
+void lane_activations(const IntActivations& a, int64_t M, int64_t K, int64_t F, LaneActivations& l) {
   const int64_t row = K * (XB / 8), blocks = K / 32, spans = K / F;
-  LaneActivations l;
   l.groups = (M + kIntRows - 1) / kIntRows;
-  l.x.resize(l.groups * kIntRows * row);
+  l.x.resize(l.groups * kIntRows * row);  // all written below (rows past M as zeros)
   l.d.assign(l.groups * blocks * kIntRows, 0.f);
   l.sums.assign(l.groups * spans * kIntRows, 0);
   at::parallel_for(0, l.groups, 1, [&](int64_t g0, int64_t g1) {
@@ -308,7 +308,6 @@ LaneActivations lane_activations(const IntActivations& a, int64_t M, int64_t K, 
       }
     }
   });
-  return l;
 }
 
 // NT weight rows (row after row at w, `row_size` bytes apart; scales and mins at spack / mpack[g * 16 +
@@ -556,14 +555,28 @@ bool int16_direct(const uint8_t* qp, const S* sp, const S* mp, int64_t row_bytes
 }
 #endif
 
+// The most bytes of rounded activations a thread keeps between qlinear_int calls (1024 rows of 2048
+// int16 values; longer calls free theirs).
+constexpr size_t kKeptBytes = 4 << 20;
+
 template <int XB>
 void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& mins, int64_t bits, int64_t group, at::Tensor& out) {
   using X = typename IntTypes<XB>::X;
   using W = typename IntTypes<XB>::W;
   const int64_t K = x.size(1), M = x.size(0), N = qweight.size(0), F = int_span(group);
-  IntActivations a{std::vector<uint8_t>(M * K * sizeof(X)), std::vector<float>(M * K / 32),
-                   std::vector<int32_t>(M * K / F)};
+  // The calling thread's buffers, kept from call to call up to kKeptBytes (every value is written
+  // below). Against fresh ones per call: the 270M's peak resident memory through bench_gguf's
+  // generation 572-583 -> 565-568 MiB (a call's buffers of 160-512 KB no longer land on fresh pages of the
+  // heap's free space each time), prefill within noise.
+  // (References: a thread_local named inside the parallel loops' lambdas would be each worker's own.)
+  thread_local IntActivations kept_activations;
+  thread_local LaneActivations kept_lanes;
+  IntActivations& a = kept_activations;
+  LaneActivations& lanes = kept_lanes;
+  a.xq.resize(M * K * sizeof(X));
+  a.d.resize(M * K / 32);
+  a.sums.resize(M * K / F);
   const float* xp = x.data_ptr<float>();
   std::vector<char> bad(M, 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -601,7 +614,8 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
 #endif
 #ifdef TG_VNNI
     if (cpu_has_vnni() && M >= kLaneRows) {
-      const LaneActivations l = lane_activations<XB>(a, M, K, F);
+      LaneActivations& l = lanes;
+      lane_activations<XB>(a, M, K, F, l);
       const int64_t blocks = (N + kIntRows - 1) / kIntRows, row_size = K * static_cast<int64_t>(sizeof(W));
       const int64_t task = std::max<int64_t>(1, std::min<int64_t>(8, blocks / (4 * at::get_num_threads())));
       parallel_tasks(blocks, task, [&](int64_t b0, int64_t b1) {
@@ -676,6 +690,8 @@ void qlinear_int_impl(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
   for (int64_t m = 0; m < M; ++m)
     if (bad[m]) out[m].fill_(std::numeric_limits<float>::quiet_NaN());
+  if (a.xq.size() > kKeptBytes) a = IntActivations{};  // a long prefill's: back to the allocator
+  if (lanes.x.size() > kKeptBytes) lanes = LaneActivations{};
 }
 
 // x (M, K) float32 -> (M, N) float32, x rounded to x_bits-bit integers (see above).
