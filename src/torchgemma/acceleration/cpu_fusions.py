@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from ..cache import RingKeys
 from ..kernels import ensure_kernels
 from ..model.attention import ATTENTION, AttentionInputs, sdpa_backend
-from ..model.layers import GatedMLP, RMSNorm, apply_rope, gaussian_topk, gelu_tanh
+from ..model.layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh
 from ..model.text import Attention, DecoderLayer
 
 
@@ -98,15 +98,8 @@ class FusedGatedMLP(GatedMLP):
         mlp.__class__ = cls
         return mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        if self.activation_sparsity > 0:
-            gate = gaussian_topk(gate, self.std_multiplier[gate.dtype])
-        return self.down_proj(self.activate(gate, self.up_proj(x)))
-
-    @staticmethod
-    def activate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``gelu_tanh(gate) * up``: the C++ call where it applies, else ATen's operators."""
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up``: the C++ call where it applies, else GatedMLP's operators."""
         if (
             gate.dtype is torch.float32
             and up.dtype is torch.float32
@@ -116,7 +109,7 @@ class FusedGatedMLP(GatedMLP):
             and ensure_kernels()
         ):
             return _GELU_MUL(gate, up)
-        return gelu_tanh(gate) * up
+        return super().activate(gate, up)
 
 
 _GELU_MUL = torch.ops.torchgemma.gelu_mul.default
@@ -436,9 +429,7 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if mlp.activation_sparsity > 0 or _hooked(mlp) or type(mlp) not in (GatedMLP, FusedGatedMLP):
         return mlp(x)
     parts = mlp._modules
-    gate, up = _call(parts["gate_proj"], x), _call(parts["up_proj"], x)
-    gated = FusedGatedMLP.activate(gate, up) if type(mlp) is FusedGatedMLP else gelu_tanh(gate) * up
-    return _call(parts["down_proj"], gated)
+    return _call(parts["down_proj"], mlp.activate(_call(parts["gate_proj"], x), _call(parts["up_proj"], x)))
 
 
 def _hooked(module: nn.Module) -> bool:

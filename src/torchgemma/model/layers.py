@@ -98,7 +98,11 @@ class GatedMLP(nn.Module):
         gate = self.gate_proj(x)
         if self.activation_sparsity > 0:
             gate = gaussian_topk(gate, self.std_multiplier[gate.dtype])
-        return self.down_proj(gelu_tanh(gate) * self.up_proj(x))
+        return self.down_proj(self.activate(gate, self.up_proj(x)))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The GeGLU gating: ``gelu_tanh(gate) * up``."""
+        return gelu_tanh(gate) * up
 
 
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:

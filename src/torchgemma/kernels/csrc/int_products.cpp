@@ -313,11 +313,10 @@ void lane_activations(const IntActivations& a, int64_t M, int64_t K, int64_t F, 
 // NT weight rows (row after row at w, `row_size` bytes apart; scales and mins at spack / mpack[g * 16 +
 // n]) times MG lane groups from g0: the float steps of the interleaved tiles above, per (row, column),
 // in the same order. tmp[j * 256 + n * 16 + lane] = column n's value for row lane of group g0 + j.
-template <int XB, int NT, int MG, bool MINS, int FS>
+template <int XB, int NT, int MG, bool MINS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_lane_tile(
     const uint8_t* w, int64_t row_size, const float* spack, const float* mpack, const LaneActivations& l,
-    int64_t g0, int64_t K, int64_t G, int64_t F_, int off, float* tmp) {
-  const int64_t F = FS ? FS : F_;  // the span, known to the compiler where it can be (its loop unrolled)
+    int64_t g0, int64_t K, int64_t G, int64_t F, int off, float* tmp) {
   constexpr int64_t xb = XB / 8, per = 4 / xb;  // bytes per value, values per dword
   const int64_t spans = K / F, blocks = K / 32, gstride = K * xb * kIntRows;
   const uint8_t* x = l.x.data() + g0 * gstride;
@@ -328,7 +327,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int_lan
     __m512i isum[NT][MG];
     for (int n = 0; n < NT; ++n)
       for (int j = 0; j < MG; ++j) isum[n][j] = _mm512_setzero_si512();
-#pragma GCC unroll 16
     for (int64_t k = s * F; k < (s + 1) * F; k += per) {
       __m512i xv[MG];
       for (int j = 0; j < MG; ++j)
@@ -384,16 +382,10 @@ void int_lane_rows(const uint8_t* rows, const float* spack, const float* mpack, 
       const uint8_t* w = rows + n * row_size;
       const float* mn = mpack ? mpack + n : nullptr;
       float* t = tmp + n * kIntRows;
-      if (mg == MG && F == 32)
-        int_lane_tile<XB, NT, MG, MINS, 32>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
-      else if (mg == MG && F == 16)
-        int_lane_tile<XB, NT, MG, MINS, 16>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
-      else if (mg == MG)
-        int_lane_tile<XB, NT, MG, MINS, 0>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
-      else if (F == 32)
-        int_lane_tile<XB, NT, 1, MINS, 32>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+      if (mg == MG)
+        int_lane_tile<XB, NT, MG, MINS>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
       else
-        int_lane_tile<XB, NT, 1, MINS, 0>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
+        int_lane_tile<XB, NT, 1, MINS>(w, row_size, spack + n, mn, l, g0, K, G, F, off, t);
     }
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     for (int64_t j = 0; j < mg; ++j) {
