@@ -292,22 +292,25 @@ class QuantizedWeight(nn.Module):
             raise ValueError(
                 f"scales (and mins) must be float32 or float16, both the same, got {scales.dtype}"
             )
-        if scale_dtype != self.format.scale_dtype:
-            self.format = replace(self.format, scale_dtype=scale_dtype)
-            self.scales = self.scales.to(scales.dtype)
-            if self.mins is not None:
-                self.mins = self.mins.to(scales.dtype)
         for name, value in (("qweight", qweight), ("scales", scales), ("mins", mins)):
             current = getattr(self, name)
             if (value is None) != (current is None):
                 raise ValueError(f"{name}: this weight's format {self.format} does not match the data given")
             if value is None:
                 continue
-            if value.shape != current.shape or value.dtype != current.dtype:
+            dtype = current.dtype if name == "qweight" else scales.dtype
+            if value.shape != current.shape or value.dtype != dtype:
                 raise ValueError(
-                    f"{name}: expected {current.dtype} {list(current.shape)}, got {value.dtype} {list(value.shape)}"
+                    f"{name}: expected {dtype} {list(current.shape)}, got {value.dtype} {list(value.shape)}"
                 )
-            setattr(self, name, value.to(current.device).contiguous())
+        # (The format follows the scales' dtype; the buffers are replaced, never converted: a
+        # conversion would touch and then free memory the size of the scales, 10 MB for a 262144-row
+        # token table, for nothing.)
+        if scale_dtype != self.format.scale_dtype:
+            self.format = replace(self.format, scale_dtype=scale_dtype)
+        for name, value in (("qweight", qweight), ("scales", scales), ("mins", mins)):
+            if value is not None:
+                setattr(self, name, value.to(getattr(self, name).device).contiguous())
 
     def extra_repr(self) -> str:
         f = self.format
