@@ -69,6 +69,10 @@ def samples(name: str) -> list[tuple]:
                 out.append((q, scales, bits, group))
             else:
                 out.append((x, q, scales, offsets, bits, group, norms))
+    elif name == "qlinear_bounds_into":
+        for args in samples("qlinear_bounds"):
+            shape = (args[0].shape[0], args[1].shape[0])
+            out.append((*args, torch.empty(shape), torch.empty(shape)))
     elif name == "bounded_candidates":
         approx = torch.randn(3, 50, generator=gen)
         out.append((approx, torch.rand(3, 50, generator=gen) * 0.5))
@@ -154,7 +158,7 @@ def test_the_table_holds_every_operator():
     """One table: every torchgemma operator has its schema, fake and reference there (and nothing
     else defines one)."""
     assert set(OPS) == {
-        "qlinear", "dequantize", "qlinear_dense", "qlinear_int", "qlinear_bounds", "row_norms",
+        "qlinear", "dequantize", "qlinear_dense", "qlinear_int", "qlinear_bounds", "qlinear_bounds_into", "row_norms",
         "bounded_candidates", "rms_norm", "rope", "gelu_mul", "decode_attention", "decode_attention_ring",
         "decode_layer_qkv", "decode_layer_output",
     }  # fmt: skip
@@ -221,6 +225,16 @@ def test_each_reference_computes_what_its_kernel_computes(isa, name):
     op = OPS[name]
     cpp = getattr(torch.ops.torchgemma, name)
     for args in samples(name):
+        if name == "qlinear_bounds_into":
+            # qlinear_bounds' values (the kernel's bits; the reference's), written where it is told.
+            *inputs, approx, bound = args
+            cpp(*inputs, approx, bound)
+            for given, value in zip((approx, bound), torch.ops.torchgemma.qlinear_bounds(*inputs)):
+                assert torch.equal(given, value)
+            op.reference(*inputs, approx, bound)
+            for given, value in zip((approx, bound), OPS["qlinear_bounds"].reference(*inputs)):
+                assert torch.equal(given, value)
+            continue
         ours, reference = cpp(*args), op.reference(*args)
         if name in ("dequantize", "row_norms", "bounded_candidates", "rms_norm", "rope", "gelu_mul"):
             # The same float operations in the same order (row_norms' and rms_norm's float64 sums in

@@ -866,6 +866,32 @@ def test_greedy_head_argmax_equals_the_full_heads(bits, rows):
     assert layer.argmax(x).tolist() == [10] == layer.matmul(x).argmax(-1).tolist()
 
 
+def test_greedy_head_keeps_its_scores_tensors_between_calls():
+    """Successive argmax calls of one shape score into the same two tensors (a decode loop allocates
+    no 2 x 1 MB per step for a 262144-row head), and still give the full head's tokens; a call while
+    they are taken (another thread's) makes its own. Tensors of the wrong size are refused by name."""
+    if not ensure_kernels():
+        pytest.skip(kernels.kernel_status())
+    layer = _head(8)
+    x = _activations(1, 256, seed=3)
+    assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+    kept = layer.__dict__["_bounds_out"]
+    pointers = [t.data_ptr() for t in kept]
+    for seed in range(4, 8):
+        x = _activations(1, 256, seed=seed)
+        assert torch.equal(layer.argmax(x), layer.matmul(x).argmax(-1))
+        assert [t.data_ptr() for t in layer.__dict__["_bounds_out"]] == pointers
+    taken = layer._bounds(x)  # in use: the next call may not write into them
+    assert "_bounds_out" not in layer.__dict__
+    other = layer._bounds(_activations(1, 256, seed=9))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(taken, other))
+    f = layer.format
+    args = (x, layer.qweight, layer.scales, layer.mins, f.bits, f.group_size, layer._norms())
+    for into in (torch.ops.torchgemma.qlinear_bounds_into, kernels.ops._qlinear_bounds_into_reference):
+        with pytest.raises((RuntimeError, ValueError), match="approx and bound must be contiguous float32"):
+            into(*args, torch.empty(1, layer.qweight.shape[0] - 1), torch.empty(1, layer.qweight.shape[0]))
+
+
 @pytest.mark.parametrize("rows", [INT_BOUNDED_ROWS, 16])
 def test_greedy_head_int8_scores_give_the_full_heads_tokens(rows, monkeypatch):
     """Calls of INT_BOUNDED_ROWS or more rows score with qlinear_int's int8 products (on machines
@@ -931,13 +957,13 @@ def test_engine_greedy_head_gives_the_full_heads_tokens(gen_checkpoints, style, 
     model = torchgemma.load(gen_checkpoints[style], quantize=mode)
     assert model.config.text.final_logit_softcapping is not None
     calls = []
-    bounds = torch.ops.torchgemma.qlinear_bounds
+    bounds = torch.ops.torchgemma.qlinear_bounds_into
 
     def counting(*args):
         calls.append(1)
         return bounds(*args)
 
-    monkeypatch.setattr(torch.ops.torchgemma, "qlinear_bounds", counting)
+    monkeypatch.setattr(torch.ops.torchgemma, "qlinear_bounds_into", counting)
     prompts = {"a": [5, 17, 42, 9], "b": [100, 3, 77], "c": [8, 8, 250, 31, 2, 64]}
     runs = {}
     for greedy_head in (True, False):

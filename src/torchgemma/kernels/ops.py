@@ -254,6 +254,25 @@ def _qlinear_bounds_reference(
     return approx.view(shape), bound.view(shape)
 
 
+def _qlinear_bounds_into_reference(
+    x, qweight, scales, mins, bits: int, group_size: int, row_norms, approx, bound
+):
+    """``qlinear_bounds`` written into ``approx`` and ``bound`` (float32, contiguous, x's shape with N last)."""
+    values = _qlinear_bounds_reference(x, qweight, scales, mins, bits, group_size, row_norms)
+    for out, value in zip((approx, bound), values):
+        if (
+            out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.numel() != value.numel()
+            or (out.dim() < 1 or out.shape[-1] != value.shape[-1])
+        ):
+            raise ValueError(
+                f"qlinear_bounds: approx and bound must be contiguous float32 tensors of {value.numel() // value.shape[-1]} "
+                f"x {value.shape[-1]} values (x's rows by the weight's), got {out.dtype} {list(out.shape)}"
+            )
+        out.copy_(value.view(out.shape))
+
+
 def _bounded_candidates_reference(approx, bound) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows that may hold each row's maximum, n with approx + bound >= max(approx - bound) in
     float32 (a bound of one column, the same for its whole row: approx >= max(approx) - 2 bound):
@@ -526,6 +545,10 @@ def _qlinear_bounds_fake(x, qweight, scales, mins, bits, group_size, row_norms):
     return out, torch.empty_like(out)
 
 
+def _qlinear_bounds_into_fake(x, qweight, scales, mins, bits, group_size, row_norms, approx, bound):
+    return None
+
+
 def _row_norms_fake(qweight, scales, bits, group_size):
     _check("row_norms", qweight, scales, None, bits, group_size)
     return scales.new_empty((qweight.shape[0],), dtype=torch.float32)
@@ -608,6 +631,12 @@ OPERATORS: tuple[Operator, ...] = (
         f"qlinear_bounds({_PRODUCT}, Tensor row_norms) -> (Tensor, Tensor)",
         _qlinear_bounds_fake,
         _qlinear_bounds_reference,
+    ),
+    # The same into given tensors (a decode loop's, kept between steps).
+    Operator(
+        f"qlinear_bounds_into({_PRODUCT}, Tensor row_norms, Tensor(a!) approx, Tensor(b!) bound) -> ()",
+        _qlinear_bounds_into_fake,
+        _qlinear_bounds_into_reference,
     ),
     Operator(
         "row_norms(Tensor qweight, Tensor scales, int bits, int group_size) -> Tensor",

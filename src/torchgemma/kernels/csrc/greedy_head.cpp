@@ -149,6 +149,20 @@ inline void approx_block(const uint8_t* q, const S* scales, int64_t K, int64_t G
 std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, const at::Tensor& qweight,
                                                       const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                       int64_t bits, int64_t group, const at::Tensor& row_norms) {
+  product_rows("qlinear_bounds", x_in, qweight, scales, mins, bits, group);  // (its checks, before sizing)
+  auto shape = x_in.sizes().vec();
+  shape.back() = qweight.size(0);
+  at::Tensor approx = at::empty(shape, x_in.options().dtype(at::kFloat)), bound = at::empty(shape, approx.options());
+  qlinear_bounds_into_cpu(x_in, qweight, scales, mins, bits, group, row_norms, approx, bound);
+  return {approx, bound};
+}
+
+// qlinear_bounds into given tensors (float32, contiguous, x's shape with N last): a decode loop keeps
+// them, instead of two fresh (1, 262144) tensors per step whose freed memory small allocations then
+// split, so that the next step's pair came from new heap pages (QuantizedWeight._bounds).
+void qlinear_bounds_into_cpu(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                             const at::Tensor& row_norms, at::Tensor& approx, at::Tensor& bound) {
   const at::Tensor x = product_rows("qlinear_bounds", x_in, qweight, scales, mins, bits, group);
   const int64_t K = x.size(1);
   TORCH_CHECK(bits == 8 || bits == 4, "qlinear_bounds: bits must be 8 or 4, got ", bits);
@@ -158,7 +172,11 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
                   row_norms.is_contiguous(),
               "qlinear_bounds: row_norms must be float32 (", N, ")");
   const int64_t M = x.size(0);
-  at::Tensor approx = at::empty({M, N}, x.options()), bound = at::empty({M, N}, x.options());
+  for (const at::Tensor* out : {&approx, &bound})
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == M * N &&
+                    out->dim() >= 1 && out->size(-1) == N,
+                "qlinear_bounds: approx and bound must be contiguous float32 tensors of ", M, " x ", N,
+                " values (x's rows by the weight's), got ", out->scalar_type(), " ", out->sizes());
   const std::vector<float> xsum = mins ? group_sums(x, group) : std::vector<float>();
   std::vector<int8_t> xq(M * K);
   std::vector<float> d(M * (K / 32)), beta(M);
@@ -257,9 +275,6 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x_in, co
         }
     });
   });
-  auto shape = x_in.sizes().vec();
-  shape.back() = N;
-  return {approx.view(shape), bound.view(shape)};
 }
 
 // The rows that may hold each row's maximum: n with approx + bound >= max over n' of approx - bound

@@ -24,6 +24,9 @@ at::Tensor qlinear_int_cpu(const at::Tensor& x, const at::Tensor& qweight, const
 std::tuple<at::Tensor, at::Tensor> qlinear_bounds_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                                       const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                       int64_t bits, int64_t group, const at::Tensor& row_norms);
+void qlinear_bounds_into_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                             const at::Tensor& row_norms, at::Tensor& approx, at::Tensor& bound);
 at::Tensor row_norms_cpu(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group);
 std::tuple<at::Tensor, at::Tensor> bounded_candidates_cpu(const at::Tensor& approx, const at::Tensor& bound);
 // norms_rope.cpp

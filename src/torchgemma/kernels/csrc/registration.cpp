@@ -40,6 +40,7 @@ struct Kernels {
   decltype(&portable::qlinear_dense_cpu) qlinear_dense;
   decltype(&portable::qlinear_int_cpu) qlinear_int;
   decltype(&portable::qlinear_bounds_cpu) qlinear_bounds;
+  decltype(&portable::qlinear_bounds_into_cpu) qlinear_bounds_into;
   decltype(&portable::row_norms_cpu) row_norms;
   decltype(&portable::bounded_candidates_cpu) bounded_candidates;
   decltype(&portable::rms_norm_cpu) rms_norm;
@@ -54,7 +55,7 @@ struct Kernels {
 #define TG_KERNELS(isa)                                                                                         \
   Kernels {                                                                                                     \
     &isa::qlinear_cpu, &isa::dequantize_cpu, &isa::qlinear_dense_cpu, &isa::qlinear_int_cpu,                  \
-        &isa::qlinear_bounds_cpu, &isa::row_norms_cpu, &isa::bounded_candidates_cpu, &isa::rms_norm_cpu,      \
+        &isa::qlinear_bounds_cpu, &isa::qlinear_bounds_into_cpu, &isa::row_norms_cpu, &isa::bounded_candidates_cpu, &isa::rms_norm_cpu,      \
         &isa::rope_cpu, &isa::gelu_mul_cpu, &isa::decode_attention_cpu, &isa::decode_attention_ring_cpu, &isa::decode_layer_qkv_cpu, \
         &isa::decode_layer_output_cpu                                                                          \
   }
@@ -106,6 +107,11 @@ std::tuple<at::Tensor, at::Tensor> qlinear_bounds(const at::Tensor& x, const at:
                                                   const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                                   int64_t bits, int64_t group, const at::Tensor& row_norms) {
   return kernels().qlinear_bounds(x, qweight, scales, mins, bits, group, row_norms);
+}
+void qlinear_bounds_into(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                         const at::Tensor& row_norms, at::Tensor& approx, at::Tensor& bound) {
+  kernels().qlinear_bounds_into(x, qweight, scales, mins, bits, group, row_norms, approx, bound);
 }
 at::Tensor row_norms(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group) {
   return kernels().row_norms(qweight, scales, bits, group);
@@ -191,6 +197,7 @@ int torchgemma_register() {
     fresh->impl("qlinear_dense", TORCH_FN(torchgemma::qlinear_dense));
     fresh->impl("qlinear_int", TORCH_FN(torchgemma::qlinear_int));
     fresh->impl("qlinear_bounds", TORCH_FN(torchgemma::qlinear_bounds));
+    fresh->impl("qlinear_bounds_into", TORCH_FN(torchgemma::qlinear_bounds_into));
     fresh->impl("row_norms", TORCH_FN(torchgemma::row_norms));
     fresh->impl("bounded_candidates", TORCH_FN(torchgemma::bounded_candidates));
     fresh->impl("rms_norm", TORCH_FN(torchgemma::rms_norm));
