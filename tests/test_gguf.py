@@ -967,6 +967,32 @@ def test_grouped_ints_convert_in_slabs_and_widen_scales_when_one_is_not_half(mon
     assert grouped_ints(raw, T.Q4_0, (rows, cols)).scales.dtype == torch.float16
 
 
+def test_gguf_load_gives_every_tensor_its_own_memory(synthetic, monkeypatch):
+    """A GGUF file's tensors replace zero-memory placeholders (loading._placeholder): after load
+    every parameter and buffer holds memory of its full size, and a tensor the fill skipped is an
+    error that names it, never an expanded placeholder passed off as weights."""
+    import torchgemma
+    from torchgemma.weights import loading
+
+    path, _, _ = synthetic("gemma3")
+    model = torchgemma.load(path, attention="eager", quantize="gguf")
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert t.untyped_storage().nbytes() >= t.numel() * t.element_size(), name
+    fill = loading.fill
+
+    def skipping(model, plan, *args, **kwargs):
+        return fill(
+            model,
+            [row for row in plan if not row[0].endswith("layers.1.mlp.up_proj.weight")],
+            *args,
+            **kwargs,
+        )
+
+    monkeypatch.setattr(loading, "fill", skipping)
+    with pytest.raises(torchgemma.CheckpointError, match=r"layers\.1\.mlp\.up_proj\.\w+ unread"):
+        torchgemma.load(path, attention="eager", quantize="gguf")
+
+
 def test_gguf_blocks_load_save_and_load_back_to_the_bit(synthetic, tmp_path):
     """quantize="gguf" on a file of every 32-wide type: each layer dequantizes to the file's values,
     and torchgemma.save -> load gives back the same formats and bits."""

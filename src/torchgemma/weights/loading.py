@@ -268,6 +268,10 @@ def _build(
     stored = checkpoint.stored
     with _progress(sum(stored[key] for _, key, _ in loads), label) as bar:
         fill(model, loads, lambda key: bar.update(stored[key]), adopt=adopt)
+    if adopt:  # (match_tensors covered every target: a placeholder left is a loader bug, never data)
+        left = [name for name, t in _targets(model).items() if _is_placeholder(t)]
+        if left:
+            raise CheckpointError(f"the GGUF file's tensors left {', '.join(left[:5])} unread")
     plan.apply(model)
     if shards is not None:
         connect(model)
