@@ -249,12 +249,14 @@ class QuantizedWeight(nn.Module):
         # another thread meanwhile makes its own): a fresh pair per decode step (2 MB for a
         # 262144-row head) left freed memory that small allocations split, and the next pair then
         # came from new heap pages, up to ~1 MB more resident memory a step (Gemma 3 270M, 64
-        # greedy tokens: peak RSS 544-579 MiB from run to run; kept: 543-545). What stays between
+        # greedy tokens: peak RSS 544-579 MiB from run to run; kept: 544-547). What stays between
         # calls is at most BOUNDED_ROWS rows of scores: 6 MB for a 262144-row head.
         shape = (x.shape[0], self.qweight.shape[0])
         kept = self.__dict__.pop("_bounds_out", None)
         if kept is None or kept[0].shape != shape:
-            kept = (torch.empty(shape), torch.empty(shape))
+            # (float32 on the weight's device whatever torch's defaults: the kernel writes float32)
+            new = {"dtype": torch.float32, "device": self.qweight.device}
+            kept = (torch.empty(shape, **new), torch.empty(shape, **new))
         torch.ops.torchgemma.qlinear_bounds_into(
             x, self.qweight, self.scales, self.mins, f.bits, f.group_size, self._norms(), *kept
         )

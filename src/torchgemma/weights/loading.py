@@ -255,7 +255,7 @@ def _build(
     # import half a second of modules; a plain factory call does not.) A GGUF file's tensors are
     # read into new memory that becomes the model's (fill's adopt): what they replace holds none.
     adopt = checkpoint.gguf is not None
-    targets = _targets(model) if adopt else {}
+    targets = _targets(model) if adopt else {}  # (held through _apply: no id below is reused)
     shells = {id(t) for t in targets.values()}
     model = model._apply(
         lambda t: (
