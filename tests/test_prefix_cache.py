@@ -132,6 +132,46 @@ def test_reuse_is_exact_on_every_style(gen_checkpoints, other_families, style):
     assert stats["blocks"] == 10 + 3 + 4 and stats["evictions"] == 0
 
 
+@pytest.mark.parametrize("style", ["e2b", "26b", "31b", "gemma3", "gemma3n"])
+def test_a_repeated_prompt_is_taken_whole(gen_checkpoints, other_families, style):
+    """bf16 sdpa: a prompt stored to its end (its last chunk, shorter or whole, and the state that
+    chose its first token) is taken whole by the same prompt again, which then runs no prefill
+    forward at all, and gets the bits an engine without a store gives: greedy with log-
+    probabilities, and sampled with a seed (the first token drawn from the stored state)."""
+    folder = other_families[style] if style.startswith("gemma3") else gen_checkpoints[style]
+    model = torchgemma.load(folder, dtype=torch.bfloat16)
+    # 45 tokens (a shorter last chunk past the window), 5 (all in one chunk), 48 (a whole last chunk)
+    long, short, whole = tokens(45, 11), tokens(5, 12), tokens(48, 13)
+    requests = [("a", long, 4), ("a again", long, 4), ("s", short, 3), ("s again", short, 3)]
+    requests += [("w", whole, 3), ("w again", whole, 3)]
+    store = PrefixCache(1 << 24, block_size=4)
+    calls = []
+    hook = model.language_model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    outputs = {}
+    for request in requests:
+        calls.clear()
+        outputs |= one_by_one(model, [request], store)
+        if request[0].endswith("again"):
+            assert calls == [1] * (request[2] - 1), calls  # decode steps only
+    hook.remove()
+    assert without_cached(outputs) == without_cached(one_by_one(model, requests, None))
+    assert cached(outputs) == {"a": 0, "a again": 45, "s": 0, "s again": 5, "w": 0, "w again": 48}
+    stats = store.stats()
+    assert (stats["ends"], stats["hits"], stats["cached_tokens"]) == (3, 3, 45 + 5 + 48)
+
+    def sampled(store) -> list[int]:
+        engine = Engine(model, max_batch_size=1, max_len=96, prefill_chunk=8, prefix_cache=store)
+        sampling = SamplingParams(temperature=1.0, seed=7)
+        engine.add_request("r", long, sampling=sampling, max_new_tokens=5, stop_token_ids=[])
+        out = []
+        while engine.has_unfinished_requests():
+            out += [o.token_id for o in engine.step()]
+        return out
+
+    assert sampled(store) == sampled(None)
+    assert store.stats()["cached_tokens"] == 45 + 5 + 48 + 45
+
+
 def test_reuse_inside_the_window(gen_checkpoints):
     """Chunks of 4 (blocks of 2): reuse points at 4 and 8, at and just past the 5-token window."""
     model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.bfloat16)
@@ -153,7 +193,7 @@ def test_reuse_off_the_chunk_grid_would_not_be_exact(gen_checkpoints, monkeypatc
     requests = conversation(model, chunk=40)[:2]
     match = PrefixCache.match
     monkeypatch.setattr(
-        PrefixCache, "match", lambda self, root, ids, limit, unit: match(self, root, ids, 28, 4)
+        PrefixCache, "match", lambda self, root, ids, limit, unit, whole: match(self, root, ids, 28, 4)
     )
     with_store = one_by_one(model, requests, PrefixCache(1 << 24, block_size=4), chunk=40)
     assert cached(with_store)["b"] == 28
@@ -302,7 +342,9 @@ def test_eviction_under_a_small_cap(gen_checkpoints):
     model = torchgemma.load(gen_checkpoints["26b"], dtype=torch.bfloat16)
     probe = PrefixCache(1 << 24, block_size=4)
     one_by_one(model, [("x", tokens(9, 0), 1)], probe)
-    block_bytes = probe.stats()["bytes"] // probe.stats()["blocks"]
+    blocks = [block for block in probe._blocks.values() if block.final is None]  # (not its end)
+    block_bytes = blocks[0].nbytes
+    assert all(block.nbytes == block_bytes for block in blocks) and len(blocks) == 2
     store = PrefixCache(6 * block_bytes + block_bytes // 2, block_size=4)
     first, other = tokens(40, 21), tokens(40, 22)
     requests = [("a", first, 3), ("a2", first[:33], 3), ("b", other, 3), ("a3", first[:20], 3)]
@@ -315,12 +357,20 @@ def test_eviction_under_a_small_cap(gen_checkpoints):
         engine = Engine(model, max_batch_size=1, max_len=64, prefill_chunk=8, prefix_cache=store)
         outputs |= serve(engine, [request], check)
     assert without_cached(outputs) == without_cached(one_by_one(model, requests, None))
-    # "a" stores 6 of its 10 blocks (then the least recently used block is its own: it stops);
-    # "a2" reuses them; "b" evicts them all for its own 6; "a3" prefills from the start again
-    # (and stores its 4 blocks in place of 4 of "b"'s).
+    # "a" stores 6 of its 10 blocks (then the least recently used block is its own: it stops,
+    # and so stores no end); "a2" reuses them; "b" evicts them all for its own 6; "a3" prefills
+    # from the start again and stores its 4 blocks in place of 4 of "b"'s, then its end (its
+    # last 4 tokens' keys and values, a block's bytes, and the hidden state of its last token) in
+    # place of a fifth.
     assert cached(outputs) == {"a": 0, "a2": 24, "b": 0, "a3": 0}
     stats = store.stats()
-    assert (stats["blocks"], stats["evictions"], stats["bytes"]) == (6, 6 + 4, 6 * block_bytes)
+    final_bytes = model.config.text.hidden_size * 2  # bf16
+    assert (stats["blocks"], stats["ends"], stats["evictions"], stats["bytes"]) == (
+        5,
+        1,
+        6 + 4 + 1,
+        6 * block_bytes + final_bytes,
+    )
 
 
 def fake_layers(nbytes: int) -> list:

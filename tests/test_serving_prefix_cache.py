@@ -89,7 +89,7 @@ def test_a_shared_beginning_is_taken_from_the_store_with_the_same_text(llm):
     with serve(llm, prefix_cache_gb=0.01) as url:
         fresh_text, fresh = complete(url, second_ids)  # computes the second prompt's beginning...
         assert fresh["prompt_tokens_details"] == {"cached_tokens": 0}
-        complete(url, first_ids)
+        _, first = complete(url, first_ids)  # (its beginning from the second's chunks)
         again_text, again = complete(url, second_ids)  # ... which is then in the store
         streamed_text, streamed = complete(url, second_ids, stream=True)
         assert metric(url, "torchgemma_prefix_cache_hits_total") >= 2
@@ -97,9 +97,13 @@ def test_a_shared_beginning_is_taken_from_the_store_with_the_same_text(llm):
         assert metric(url, "torchgemma_prefix_cache_bytes") > 0
         held = metric(url, "torchgemma_prefix_cache_cached_tokens_total")
     cached = again["prompt_tokens_details"]["cached_tokens"]
-    # Whole chunks of the prompt, at most all of it but the last token (which the reply needs).
-    assert 0 < cached < len(second_ids) and cached % CHUNK == 0, cached
+    # The same prompt again: all of it, from its end stored by the first request (its last chunk
+    # and the state that chose its first token: no prefill at all).
+    assert cached == len(second_ids), cached
     assert again["prompt_tokens"] == len(second_ids)  # cached tokens count as prompt tokens (OpenAI)
+    # The other prompt: whole chunks of the beginning they share.
+    shared_cached = first["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < shared_cached <= shared and shared_cached % CHUNK == 0, shared_cached
     assert again_text == fresh_text
     assert streamed_text == fresh_text and streamed["prompt_tokens_details"]["cached_tokens"] == cached
     assert held >= 2 * cached

@@ -17,7 +17,8 @@ The names follow vLLM's ``LLMEngine``. Each ``step()``:
 
 With a ``prefix_cache`` (``prefix_cache.py``), an admitted request first takes the keys and values
 of its prompt's longest stored beginning into its slot and prefills only the rest; every whole
-prefill chunk of a prompt is stored as it is computed.
+prefill chunk of a prompt is stored as it is computed, and its last chunk as the prompt's end, with
+the state that chose its first token: the same prompt again runs no prefill at all.
 
 A request's failure is its own: an exception while choosing its token (its sampling settings, its
 constraint, non-finite logits from the model) ends that request alone with ``finish_reason
@@ -326,27 +327,47 @@ class Engine:
 
     def _reuse(self, request: Request) -> None:
         """Load the longest stored beginning of the request's prompt into its slot (at a chunk
-        start, before its first media token, leaving a token to prefill); store from there on."""
+        start, before its first media token, leaving a token to prefill); store from there on. A
+        prompt stored to its end (an identical earlier prompt) is taken whole, with the state that
+        chooses its first token (``Request.final``)."""
         model, store, chunk = self.model, self.prefix_cache, self.prefill_chunk
         # Chains start from the signature of how their chunks are computed (see prefix_cache.py).
         blocks = self._vision_blocks(request)
         root = store.root((model.dtype, model.attention, chunk, self.batch_invariant, blocks))
         request.store_limit = media_start(model, request.prompt, request.media)
+        # (The last chunk starts at `limit` in a run without the store too: (length - 1) // chunk.)
         limit = min(request.store_limit, len(request.prompt) - 1) // chunk * chunk
-        chain = store.match(root, request.prompt, limit, chunk)
-        request.prefix = chain[-1].id if chain else root
+        whole = request.store_limit == len(request.prompt)
+        chain = store.match(root, request.prompt, limit, chunk, whole)
+        if chain and chain[-1].final is not None:
+            request.final, request.prefix = chain[-1].final, None  # nothing left to prefill or store
+        else:
+            request.prefix = chain[-1].id if chain else root
         request.prefilled = request.cached = load_chain(self.cache, request.slot, chain, model.config.text)
 
-    def _store_chunk(self, request: Request, start: int, end: int) -> None:
-        """Store a prefill chunk just computed, if it is a whole chunk of the request's prompt."""
-        chunk = self.prefill_chunk
-        if request.prefix is None or start % chunk or end - start != chunk or end > request.store_limit:
+    def _store_chunk(self, request: Request, start: int, end: int, final: torch.Tensor) -> None:
+        """Store a prefill chunk just computed, if it is a whole chunk of the request's prompt;
+        the prompt's last chunk (whole or not) also as its end, with ``final``, the final-normed
+        hidden state of its last position."""
+        chunk, parent, prompt = self.prefill_chunk, request.prefix, request.prompt
+        last = end == len(prompt)
+        if (
+            parent is None
+            or start % chunk
+            or end > request.store_limit
+            or (end - start != chunk and not last)
+        ):
             request.prefix = None  # off the chunk grid, or at its media: nothing further is stored
             return
         slot = request.slot
-        request.prefix = self.prefix_cache.store(
-            request.prefix, request.prompt[start:end], start, lambda a, b: self.cache.read(slot, a, b)
-        )
+
+        def read(a, b):
+            return self.cache.read(slot, a, b)
+
+        if end - start == chunk:
+            request.prefix = self.prefix_cache.store(parent, prompt[start:end], start, read)
+        if last:
+            self.prefix_cache.store_end(parent, prompt[start:end], start, read, final)
 
     def _release(self, request: Request) -> None:
         leave_fork(request, self._waiting)
@@ -355,6 +376,7 @@ class Engine:
         request.embedded = None
         request.media = None
         request.prefix = None
+        request.final = None
 
     def _emit_or_fail(self, request: Request, choice: torch.Tensor | int) -> StepOutput:
         """``_emit``, or if choosing this request's token raised, its failure alone."""
@@ -420,6 +442,9 @@ class Engine:
         for request in sorted(self._running.values(), key=lambda r: r.slot):
             if request.decoding or request.leader is not None:  # (a follower waits for its fork)
                 continue
+            if request.final is not None:  # its whole prompt from the prefix cache: no forward
+                groups.setdefault(("final",), []).append(request)
+                continue
             if request.embedded is None and request.media is not None:
                 try:
                     self._embed_media(request)
@@ -460,6 +485,12 @@ class Engine:
     def _prefill(self, group: list[Request]) -> tuple[list[Request], list]:
         """The next chunk of each request of a group in one forward: the requests whose prompt
         that chunk completes, and what picks each one's first token (``_choices``)."""
+        if group[0].final is not None:
+            # Prompts the prefix cache held to their end: their first tokens from the stored state.
+            normed = torch.stack([request.final for request in group])
+            for request in group:
+                request.final = None
+            return spread_forks(self.cache, group, self._choices(group, normed))
         if self._rows_apart([end - start for start, end in map(self._next_chunk, group)]):
             members, choices = [], []
             for request in group:
@@ -491,7 +522,7 @@ class Engine:
         for i, (request, (start, end)) in enumerate(zip(group, chunks)):
             request.prefilled = end
             if self.prefix_cache is not None:
-                self._store_chunk(request, start, end)
+                self._store_chunk(request, start, end, normed[i, -1])
             if end == len(request.prompt):
                 request.embedded = None
                 done.append(i)

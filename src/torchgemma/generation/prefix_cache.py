@@ -6,7 +6,8 @@
 
 A request whose prompt begins with tokens whose keys and values the store holds (an earlier
 request's prompt, an earlier chat turn, a shared system prompt) gets them copied into its slot
-and prefills only the rest; its first ``StepOutput`` says how many (``cached_tokens``).
+and prefills only the rest; its first ``StepOutput`` says how many (``cached_tokens``). A prompt
+the store holds to its end (the same prompt again) is taken whole and prefills nothing.
 
 **The store.** Blocks of ``block_size`` tokens, each keyed exactly by (its parent block's id, its
 tokens): a chain from a root, so a key names one sequence of tokens from position 0 and no hash
@@ -32,10 +33,15 @@ and decode. So the store reuses only what a run without it computes identically:
   row counts), and the engine's batch invariance makes a chunk's bits its own whatever shares its
   forward (so nothing here depends on the row-count boundaries ``invariance.py`` finds: reuse
   stays on under the emulated AVX-512 dispatch too);
-* only whole prefill chunks ``[jC, (j+1)C)`` of prompts are stored: a run without the store
-  computes exactly those; a prompt's last, shorter chunk and decoded tokens are not (the next chat
-  turn reuses its conversation up to the last multiple of C of its previous prompt, and prefills
-  the rest: the previous reply, the new message);
+* only whole prefill chunks ``[jC, (j+1)C)`` of prompts are stored as blocks: a run without the
+  store computes exactly those; a prompt's last, shorter chunk and decoded tokens are not (the next
+  chat turn reuses its conversation up to the last multiple of C of its previous prompt, and
+  prefills the rest: the previous reply, the new message);
+* a prompt's last chunk (shorter or whole) is stored apart as the prompt's *end*, with the
+  final-normed hidden state of its last position, and only the very same prompt matches it: a run
+  without the store computes that chunk from the same start with the same tokens, and chooses the
+  first token from that state. So a repeated prompt (a retry, a regenerated answer, the same
+  question again) runs no prefill forward at all and gets the same bits;
 * chains have one root per way of computing: dtype, attention backend, ``prefill_chunk``, batch
   invariance, and whether the prompt carries image blocks (a multimodal request's text runs with
   a mask where a text request's runs without one). A store belongs to one model (``attach``).
@@ -109,7 +115,10 @@ LayerBlocks = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 @dataclass(eq=False)
 class Block:
-    """``block_size`` positions' keys and values; the chain's ``parent`` comes before them."""
+    """``block_size`` positions' keys and values; the chain's ``parent`` comes before them. A
+    prompt's end (``store_end``) is a block of its own: its last chunk's positions (at most the
+    prefill chunk, not whole blocks), and in ``final`` the final-normed hidden state of its last
+    position, which chooses the prompt's first token."""
 
     id: int
     parent: int
@@ -117,6 +126,7 @@ class Block:
     layers: LayerBlocks
     nbytes: int
     children: set[int] = field(default_factory=set)
+    final: torch.Tensor | None = None
 
 
 class PrefixCache:
@@ -132,6 +142,7 @@ class PrefixCache:
         self.block_size = block_size
         self._blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._children: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, tokens) -> block id
+        self._ends: dict[tuple[int, tuple[int, ...]], int] = {}  # the same for prompts' ends
         self._roots: dict[Hashable, int] = {}
         self._root_ids: set[int] = set()
         self._ids = itertools.count()
@@ -146,14 +157,16 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         """Counters since the store was made: ``queries`` (requests that looked), ``hits`` (those
         that reused something), ``cached_tokens`` (prompt tokens not prefilled), ``bytes`` held
-        (of ``max_bytes``), ``blocks`` held, ``stored_blocks`` and ``evictions`` (blocks)."""
+        (of ``max_bytes``), ``blocks`` and prompt ``ends`` held, ``stored_blocks`` and ``evictions``
+        (both counting ends too)."""
         return {
             "hits": self.hits,
             "queries": self.queries,
             "cached_tokens": self.cached_tokens,
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
-            "blocks": len(self._blocks),
+            "blocks": len(self._blocks) - len(self._ends),
+            "ends": len(self._ends),
             "block_size": self.block_size,
             "stored_blocks": self.stored_blocks,
             "evictions": self.evictions,
@@ -163,6 +176,7 @@ class PrefixCache:
         """Drop every block (the counters stay)."""
         self._blocks.clear()
         self._children.clear()
+        self._ends.clear()
         self.bytes = 0
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -189,9 +203,13 @@ class PrefixCache:
 
     # ── matching ─────────────────────────────────────────────────────────────────────────────
 
-    def match(self, root: int, tokens: Sequence[int], limit: int, unit: int) -> list[Block]:
+    def match(
+        self, root: int, tokens: Sequence[int], limit: int, unit: int, whole: bool = False
+    ) -> list[Block]:
         """The longest chain of stored blocks spelling ``tokens[:n]``, for the largest ``n <= limit``
-        that is a multiple of ``unit`` (the engine's prefill chunk); counted in ``stats``."""
+        that is a multiple of ``unit`` (the engine's prefill chunk); counted in ``stats``. With
+        ``whole``, where that chain reaches ``limit`` and the rest of ``tokens`` is a stored prompt
+        end there (``store_end``), the end block follows: all of ``tokens``."""
         size = self.block_size
         if unit % size:
             raise ValueError(f"unit ({unit}) must be a multiple of block_size ({size})")
@@ -206,10 +224,15 @@ class PrefixCache:
         if chain:
             self._touch(chain[-1])
         chain = chain[: len(chain) * size // unit * unit // size]
+        if whole and len(chain) * size == limit:
+            found = self._ends.get((chain[-1].id if chain else root, tuple(tokens[limit:])))
+            if found is not None:
+                chain.append(self._blocks[found])
+                self._touch(chain[-1])
         self.queries += 1
         if chain:
             self.hits += 1
-            self.cached_tokens += len(chain) * size
+            self.cached_tokens += sum(len(block.tokens) for block in chain)
         return chain
 
     # ── storing ──────────────────────────────────────────────────────────────────────────────
@@ -241,8 +264,36 @@ class PrefixCache:
             self._touch(self._blocks[last])
         return parent
 
-    def _insert(self, parent: int, tokens: tuple[int, ...], layers: LayerBlocks) -> int | None:
+    def store_end(
+        self,
+        parent: int,
+        tokens: Sequence[int],
+        start: int,
+        read: Callable[[int, int], LayerBlocks],
+        final: torch.Tensor,
+    ) -> None:
+        """Store a prompt's end: its last chunk ``tokens`` (positions ``start``, ... after block
+        ``parent``, which a chunk start ends), their keys and values read by ``read(start, end)``,
+        and ``final``, the final-normed hidden state of its last position. A request whose prompt
+        is that chain and these tokens then takes all of it (``match(whole=True)``) and chooses its
+        first token from ``final``, with no forward at all."""
+        key = (parent, tuple(tokens))
+        if not self._holds(parent):
+            return
+        if key in self._ends:
+            self._touch(self._blocks[self._ends[key]])
+            return
+        if parent in self._blocks:
+            self._touch(self._blocks[parent])
+        found = self._insert(parent, key[1], read(start, start + len(tokens)), final.clone())
+        if found is not None:
+            self._touch(self._blocks[found])
+
+    def _insert(
+        self, parent: int, tokens: tuple[int, ...], layers: LayerBlocks, final: torch.Tensor | None = None
+    ) -> int | None:
         nbytes = sum(k.nbytes + v.nbytes for k, v in filter(None, layers))
+        nbytes += 0 if final is None else final.nbytes
         if nbytes > self.max_bytes:
             return None
         if self.bytes + nbytes > self.max_bytes:
@@ -254,9 +305,9 @@ class PrefixCache:
                 if oldest in own:
                     return None
                 self._evict(oldest)
-        block = Block(next(self._ids), parent, tokens, layers, nbytes)
+        block = Block(next(self._ids), parent, tokens, layers, nbytes, final=final)
         self._blocks[block.id] = block
-        self._children[parent, tokens] = block.id
+        (self._children if final is None else self._ends)[parent, tokens] = block.id
         if parent in self._blocks:
             self._blocks[parent].children.add(block.id)
         self.bytes += nbytes
@@ -284,7 +335,7 @@ class PrefixCache:
         while doomed:
             block = self._blocks.pop(doomed.pop())
             doomed.extend(block.children)
-            del self._children[block.parent, block.tokens]
+            del (self._children if block.final is None else self._ends)[block.parent, block.tokens]
             self.bytes -= block.nbytes
             self.evictions += 1
 
@@ -311,8 +362,12 @@ def load_chain(cache: KVCache, slot: int, chain: Sequence[Block], config: TextCo
     the blocks that cover the last ``cache.ring`` positions for sliding ones. Returns its length."""
     if not chain:
         return 0
-    size = len(chain[0].tokens)
-    tail = chain[max(0, len(chain) - -(-cache.ring // size)) :]  # ceil(ring / size) blocks
+    length = sum(len(block.tokens) for block in chain)
+    first, covered = len(chain), 0  # the last blocks, back to ring positions (or the chain's start)
+    while first > 0 and covered < cache.ring:
+        first -= 1
+        covered += len(chain[first].tokens)
+    tail = chain[first:]
     layers: LayerBlocks = []
     for index, spec in enumerate(config.layers):
         if chain[0].layers[index] is None:
@@ -322,7 +377,6 @@ def load_chain(cache: KVCache, slot: int, chain: Sequence[Block], config: TextCo
         keys = torch.cat([block.layers[index][0] for block in blocks], dim=1)
         values = torch.cat([block.layers[index][1] for block in blocks], dim=1)
         layers.append((keys, values))
-    length = len(chain) * size
     cache.load_prefix(slot, layers, length)
     return length
 

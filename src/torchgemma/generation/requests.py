@@ -90,6 +90,9 @@ class Request:
     # prompt may be stored (its first media token).
     prefix: int | None = None
     store_limit: int = 0
+    # Its whole prompt taken from the prefix cache: the final-normed hidden state of the prompt's
+    # last position, stored with it, which chooses the first token (no forward).
+    final: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # Parallel sampling (fork.py): the requests forked from this one's prefill, or the one whose
     # prefill this one waits for.
     followers: list[Request] = field(default_factory=list, compare=False, repr=False)
