@@ -16,7 +16,9 @@ Both (all three with the uncached torchgemma below) are up at once; each is stop
 another is timed, so that an idle server's threads cannot take a core. Three measurements:
 
 * **Clients.** N clients (``--clients``, default 1, 4, 16) each send ``--requests`` streaming
-  ``/v1/completions`` requests one after another: the same ~60-token prose prompt, greedy
+  ``/v1/completions`` requests one after another: a ~65-token prose prompt, each its own (a fresh
+  code at its start, so that neither server answers it from a cache; ``--same-prompt``: all the
+  same, which torchgemma's prefix cache then answers without a prefill), greedy
   (``temperature`` 0), ``--max-tokens`` (64) new tokens, ``ignore_eos`` (llama-server honours it;
   torchgemma's server takes no such field, so the prompt is prose whose greedy continuation does not
   end early, and every reply's token count is checked). Output tok/s = the generated tokens that
@@ -253,10 +255,14 @@ async def one_request(client, url: str, path: str, body: dict) -> dict:
     }
 
 
-def completion_body(server: Server, max_tokens: int) -> dict:
+def completion_body(server: Server, max_tokens: int, same_prompt: bool) -> dict:
+    # A fresh code at the start of each prompt (unless --same-prompt): neither server can answer it
+    # from a cache, so the load is prefill and decode (the same prompt again would be answered from
+    # torchgemma's prefix cache without a prefill, from a llama-server slot only where it last ran).
+    prompt = PROMPT if same_prompt else f"Ticket {secrets.token_hex(4)}. {PROMPT}"
     return {
         "model": server.model,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -265,7 +271,7 @@ def completion_body(server: Server, max_tokens: int) -> dict:
     }
 
 
-async def load(server: Server, clients: int, requests: int, max_tokens: int) -> dict:
+async def load(server: Server, clients: int, requests: int, max_tokens: int, same_prompt: bool) -> dict:
     """``clients`` concurrent clients, each sending ``requests`` requests one after another."""
     import httpx
 
@@ -274,7 +280,9 @@ async def load(server: Server, clients: int, requests: int, max_tokens: int) -> 
     async def client_loop(client):
         for _ in range(requests):
             replies.append(
-                await one_request(client, server.url, "/v1/completions", completion_body(server, max_tokens))
+                await one_request(
+                    client, server.url, "/v1/completions", completion_body(server, max_tokens, same_prompt)
+                )
             )
 
     limits = httpx.Limits(max_connections=clients + 4)
@@ -329,7 +337,7 @@ def measure_clients(servers: list[Server], args) -> list[dict]:
         for clients in args.clients:
             for server in servers if round_ % 2 == 0 else servers[::-1]:
                 with server.running():
-                    row = asyncio.run(load(server, clients, args.requests, args.max_tokens))
+                    row = asyncio.run(load(server, clients, args.requests, args.max_tokens, args.same_prompt))
                 runs.setdefault((server.name, clients), []).append(row)
                 print(
                     f"round {round_ + 1}: {server.name:26} {clients:3d} clients: {row['output_tok_s']:7.1f} tok/s, "
@@ -442,7 +450,7 @@ def run_threads(threads: int, gguf: Path, args, extra: list[str], system: str, q
             server.pause()
         for server in everyone:  # warm-up: a short completion and a question
             with server.running():
-                asyncio.run(load(server, 1, 1, 8))
+                asyncio.run(load(server, 1, 1, 8, False))
                 asyncio.run(question_series(server, "Be brief.", ["Hello?"], 4))
         clients = measure_clients([s for s in (ours, peer) if s is not None], args)
         prefix = []
@@ -471,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts, a run each")
     parser.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated")
     parser.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
+    parser.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="every client request the same prompt (default: each its own)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the clients; medians")
     parser.add_argument("--context", type=int, default=2048, help="tokens per request (prompt and reply)")
@@ -558,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"gemma3-270m Q4_K_M GGUF ({gguf.name}); {args.context} tokens per request; clients: /v1/completions "
-        f"streaming, prompt {count(PROMPT)} tokens, {args.max_tokens} new tokens (greedy), {args.requests} "
+        f"streaming, prompt {count(PROMPT)} tokens{' (all the same)' if args.same_prompt else ' + a fresh code each'}, "
+        f"{args.max_tokens} new tokens (greedy), {args.requests} "
         f"request(s) per client, median of {args.rounds} interleaved rounds"
     )
     header = (
@@ -626,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
                 "slots": args.slots,
                 "max_tokens": args.max_tokens,
                 "requests_per_client": args.requests,
+                "same_prompt": args.same_prompt,
                 "rounds": args.rounds,
                 "prefix_tokens": count(system),
                 "prefix_rounds": args.prefix_rounds,
