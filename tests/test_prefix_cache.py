@@ -172,6 +172,37 @@ def test_a_repeated_prompt_is_taken_whole(gen_checkpoints, other_families, style
     assert store.stats()["cached_tokens"] == 45 + 5 + 48 + 45
 
 
+def test_repeated_prompts_taken_whole_in_one_step(gen_checkpoints, monkeypatch):
+    """Requests taking their whole prompt from the store in the same step choose their first tokens
+    together, beside a request still prefilling, and get what they get without the store."""
+    model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.bfloat16)
+    first, other = tokens(21, 31), tokens(13, 32)
+
+    def engine(store):
+        return Engine(model, max_batch_size=3, max_len=64, prefill_chunk=8, prefix_cache=store)
+
+    groups = []
+    prefill = Engine._prefill
+
+    def watched(self, group):
+        groups.append([(r.request_id, r.final is not None) for r in group])
+        return prefill(self, group)
+
+    monkeypatch.setattr(Engine, "_prefill", watched)
+    store = PrefixCache(1 << 24, block_size=4)
+    # "a" prefills in steps 0-2 and ends at step 5; the others join at step 6.
+    requests = [
+        ("a", first, 4),
+        ("a1", first, 3, None, 6),
+        ("a2", first, 5, None, 6),
+        ("b", other, 3, None, 6),
+    ]
+    with_store = serve(engine(store), requests)
+    assert [("a1", True), ("a2", True)] in groups and [("b", False)] in groups
+    assert without_cached(with_store) == without_cached(serve(engine(None), requests))
+    assert cached(with_store) == {"a": 0, "a1": 21, "a2": 21, "b": 0}
+
+
 def test_reuse_inside_the_window(gen_checkpoints):
     """Chunks of 4 (blocks of 2): reuse points at 4 and 8, at and just past the 5-token window."""
     model = torchgemma.load(gen_checkpoints["e2b"], dtype=torch.bfloat16)

@@ -485,19 +485,21 @@ class Engine:
     def _prefill(self, group: list[Request]) -> tuple[list[Request], list]:
         """The next chunk of each request of a group in one forward: the requests whose prompt
         that chunk completes, and what picks each one's first token (``_choices``)."""
-        if group[0].final is not None:
-            # Prompts the prefix cache held to their end: their first tokens from the stored state.
-            normed = torch.stack([request.final for request in group])
-            for request in group:
-                request.final = None
-            return spread_forks(self.cache, group, self._choices(group, normed))
-        if self._rows_apart([end - start for start, end in map(self._next_chunk, group)]):
+        final = group[0].final is not None  # prompts the prefix cache held to their end
+        rows = [1] * len(group) if final else [end - start for start, end in map(self._next_chunk, group)]
+        if self._rows_apart(rows):
             members, choices = [], []
             for request in group:
                 done, chosen = self._prefill([request])
                 members += done
                 choices += chosen
             return members, choices
+        if final:
+            # Their first tokens from the stored states (one row each, as a decode step's rows).
+            normed = torch.stack([request.final for request in group])
+            for request in group:
+                request.final = None
+            return spread_forks(self.cache, group, self._choices(group, normed))
         model, device = self.model, self.model.device
         chunks = [self._next_chunk(request) for request in group]
         embedded = group[0].embedded
