@@ -484,10 +484,11 @@ class Engine:
 
     def _prefill(self, group: list[Request]) -> tuple[list[Request], list]:
         """The next chunk of each request of a group in one forward: the requests whose prompt
-        that chunk completes, and what picks each one's first token (``_choices``)."""
-        final = group[0].final is not None  # prompts the prefix cache held to their end
-        rows = [1] * len(group) if final else [end - start for start, end in map(self._next_chunk, group)]
-        if self._rows_apart(rows):
+        that chunk completes, and what picks each one's first token (``_choices``). A group of
+        prompts the prefix cache held to their end runs no forward (their stored states)."""
+        final = group[0].final is not None
+        chunks = [] if final else [self._next_chunk(request) for request in group]
+        if self._rows_apart([1] * len(group) if final else [end - start for start, end in chunks]):
             members, choices = [], []
             for request in group:
                 done, chosen = self._prefill([request])
@@ -501,7 +502,6 @@ class Engine:
                 request.final = None
             return spread_forks(self.cache, group, self._choices(group, normed))
         model, device = self.model, self.model.device
-        chunks = [self._next_chunk(request) for request in group]
         embedded = group[0].embedded
         if embedded is not None:  # a request with media: alone
             start, end = chunks[0]
