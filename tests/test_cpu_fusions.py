@@ -123,6 +123,103 @@ def test_decode_attention_gives_a_row_its_own_bits_in_a_batch_and_on_any_thread_
         torch.set_num_threads(before)
 
 
+def test_decode_attention_gives_each_of_several_queries_its_decode_steps_bits():
+    """T queries per row (a prompt's), each with its own visible keys, get the bits each would get
+    as a decode step's one query over those keys alone: causal rows, a sliding band, a row whose keys
+    have holes (a list of columns, not a range), and a context of several pieces (1024 keys each);
+    at one thread and at two. The reference agrees to float32 rounding; a query that sees no key and
+    a mask of the wrong shape are refused by name."""
+    gen = torch.Generator().manual_seed(8)
+    b, t, s = 2, 9, 1100
+    q = torch.randn(b, 8, t, 64, generator=gen)
+    k, v = torch.randn(2, b, 2, s, 64, generator=gen).unbind(0)
+    position = torch.arange(s - t, s)[:, None]
+    key = torch.arange(s)[None, :]
+    visible = torch.stack(
+        [
+            key <= position,  # causal: up to 1,100 keys, two pieces for the last queries
+            (key <= position) & (key > position - 7),  # a sliding band of 7
+        ]
+    )
+    visible[1, 3, s - t - 5] = False  # a hole: this query's keys are a list
+    visible[1, 3, s - t - 30] = True
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            together = decode(q, k, v, 0.125, visible)
+            assert together.shape == (b, t, 8, 64)
+            for row in range(b):
+                for query in range(t):
+                    seen = visible[row, query].nonzero()[:, 0]
+                    alone = decode(
+                        q[row : row + 1, :, query : query + 1],
+                        k[row : row + 1, :, seen],
+                        v[row : row + 1, :, seen],
+                        0.125,
+                    )
+                    assert torch.equal(together[row, query], alone[0, 0]), (threads, row, query)
+    finally:
+        torch.set_num_threads(before)
+    reference = kernels.OPERATORS[[op.name for op in kernels.OPERATORS].index("decode_attention")].reference
+    assert torch.allclose(together, reference(q, k, v, 0.125, visible), atol=2e-6, rtol=1e-5)
+    unseen = visible.clone()
+    unseen[0, 4] = False
+    with pytest.raises(RuntimeError, match="row 0's query 4 sees no key"):
+        decode(q, k, v, 0.125, unseen)
+    with pytest.raises(RuntimeError, match=r"visible must be \(B, S\)"):
+        decode(q, k, v, 0.125, visible[:, 0])
+
+
+def test_prompt_attention_skips_what_the_mask_hides_and_agrees_with_sdpa():
+    """A fused model's attention of several queries (a prompt's chunk) on float32 CPU tensors: one
+    decode_attention call, its result sdpa's to float32 rounding, for causal queries (no mask), a
+    boolean mask (a sliding band after earlier keys), rows with their own key ranges, and a key
+    slice. Where the kernel's vector code does not apply (2 query heads per KV head) or a query sees
+    nothing (sdpa's padding), sdpa runs."""
+    from torchgemma.model.attention import AttentionInputs, sdpa_backend
+
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+
+    def attend(q, k, v, inputs, expect_kernel=True):
+        before = len(calls)
+        got = cpu_fusions.sdpa_with_decode_kernel(q, k, v, inputs, 0.0625)
+        assert (len(calls) > before) == expect_kernel
+        expected = sdpa_backend(q, k, v, inputs, 0.0625)
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=2e-6, rtol=1e-5)
+
+    original = cpu_fusions._DECODE_ATTENTION
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    cpu_fusions._DECODE_ATTENTION = counted
+    try:
+        q = torch.randn(2, 4, 12, 32, generator=gen)
+        k, v = torch.randn(2, 2, 1, 12, 32, generator=gen).unbind(0)
+        attend(q, k, v, AttentionInputs(None, None, None, causal=True))
+        attend(q, k, v, AttentionInputs(None, None, None))  # every key
+        k2, v2 = torch.randn(2, 2, 1, 20, 32, generator=gen).unbind(0)
+        position = torch.arange(8, 20)[:, None]
+        band = ((torch.arange(20)[None] <= position) & (torch.arange(20)[None] > position - 5))[None, None]
+        attend(q, k2, v2, AttentionInputs(None, None, band.expand(2, 1, 12, 20)))
+        attend(q, k2, v2, AttentionInputs(None, None, band[..., 4:], key_slice=slice(4, 20)))
+        rows = [(0, 12, True), (3, 20, False)]
+        mask = torch.zeros(2, 1, 12, 20, dtype=torch.bool)
+        mask[1, 0, :, 3:20] = band[0, 0, :, 3:20]
+        attend(q, k2, v2, AttentionInputs(None, None, mask, rows=rows))
+        padded = band.expand(2, 1, 12, 20).clone()
+        padded[1, 0, -2:] = False  # padding queries: sdpa's business
+        attend(q, k2, v2, AttentionInputs(None, None, padded), expect_kernel=False)
+        few = torch.randn(2, 2, 12, 32, generator=gen)  # 2 query heads per KV head
+        attend(few, k, v, AttentionInputs(None, None, None, causal=True), expect_kernel=False)
+    finally:
+        cpu_fusions._DECODE_ATTENTION = original
+
+
 def test_decode_attention_over_rings_gives_the_gathered_keys_bits():
     """Rows reading their windows in place from ring buffers (each its slot and offset, wrapping past
     the ring's end, some keys not visible) get the bits of decode_attention over the same keys
@@ -183,7 +280,7 @@ def test_a_batched_decode_step_of_rows_with_their_own_lengths_takes_one_call(tex
         assert max(abs(a - b) for (_, a), (_, b) in zip(together[name], alone[name])) <= 1e-5
     assert (3, True) in calls  # three rows, each with its own keys, in one call
     assert 3 in ring_calls  # the sliding layers: three rows read in place from their rings
-    assert 1 not in fallbacks  # no decode step fell back to sdpa (prefill chunks do, by design)
+    assert not fallbacks  # no step fell back to sdpa, prefill chunks included
 
 
 @pytest.mark.parametrize("style", ["e2b", "26b"])

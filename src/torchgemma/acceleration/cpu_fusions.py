@@ -9,9 +9,10 @@ them are worth one call each (``torchgemma::rms_norm``, ``rope``, ``decode_atten
 * GatedMLP's ``gelu_tanh(gate) * up`` -> ``FusedGatedMLP``: one pass (``torchgemma::gelu_mul``)
   where ATen's GELU (2.5 ns a value on AVX-512) and mul make two; the function to a few float32
   roundings, not ATen's bits;
-* sdpa attention of one new token per row over its keys -> ``decode_attention``, one C++ call
-  (the exact softmax's result to a float32 rounding; long contexts split over the threads in
-  pieces of 1024 keys).
+* sdpa attention -> ``decode_attention``, one C++ call in which each query attends as a decode
+  step's one new token does, over the keys it sees (the exact softmax's result to a float32
+  rounding; long contexts split over the threads in pieces of 1024 keys): a decode step's rows, and
+  a prompt's queries, which so skip the keys their mask hides (sdpa computes them all).
 
 And a decoder layer's one-token step (``FusedDecoderLayer``) calls its parts' forwards without
 ``nn.Module.__call__``, the same operators in the same order (the same bits); where its products are
@@ -28,13 +29,14 @@ operators, and the towers keep theirs.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..cache import RingKeys
-from ..kernels import ensure_kernels
+from ..kernels import ensure_kernels, isa
 from ..model.attention import ATTENTION, AttentionInputs, sdpa_backend
 from ..model.layers import GatedMLP, RMSNorm, apply_rope, gelu_tanh
 from ..model.text import Attention, DecoderLayer
@@ -118,11 +120,14 @@ _GELU_MUL = torch.ops.torchgemma.gelu_mul.default
 def sdpa_with_decode_kernel(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs, scale: float
 ) -> torch.Tensor:
-    """``sdpa_backend``, except one new token per row attending to its keys (a decode step), which is
-    one C++ call on float32 CPU tensors (``torchgemma::decode_attention``: the exact softmax's result
-    to a float32 rounding; where sdpa wakes its thread pool for a few microseconds of work, or runs
-    row by row when the rows' key ranges differ). The keys a row sees are the mask's (True-to-attend)
-    or all of them; a row gets the same bits in a batch as alone (its visible keys, in order)."""
+    """``sdpa_backend``, except on float32 CPU tensors, where each query attends as a decode step's
+    one new token does: one C++ call (``torchgemma::decode_attention``: the exact softmax's result
+    to a float32 rounding). A decode step's rows so skip sdpa's thread pool wake-up for a few
+    microseconds of work, or its row-by-row calls where the rows' key ranges differ; a prompt's
+    queries (``_prompt_attention``) skip the keys their mask hides, where sdpa's CPU kernels compute
+    every query against every key it is given. The keys a query sees are the mask's (True-to-attend),
+    the causal ones, or all of them; a query gets the same bits in a batch as alone (its visible keys,
+    in order), and a prompt's token the bits of its decode step."""
     mask = inputs.mask
     rings = isinstance(key, RingKeys)
     buffer = key.buffer if rings else key
@@ -157,13 +162,66 @@ def sdpa_with_decode_kernel(
         return _DECODE_ATTENTION(query, key, value, scale, visible)
     if rings:
         key, value = key.gather(), value.gather()
-    return sdpa_backend(query, key, value, inputs, scale)
+    if inputs.key_slice is not None:
+        key, value = key[:, :, inputs.key_slice], value[:, :, inputs.key_slice]
+        inputs = replace(inputs, key_slice=None)
+    attended = _prompt_attention(query, key, value, inputs, scale)
+    return sdpa_backend(query, key, value, inputs, scale) if attended is None else attended
+
+
+def _prompt_attention(query, key, value, inputs: AttentionInputs, scale: float) -> torch.Tensor | None:
+    """Several queries per row (a prompt's) through ``decode_attention``, each over the keys it sees:
+    the mask's, or the causal ones, row by row where the rows' key ranges differ. None where the
+    kernel's vector code does not apply (it would then run scalar loops: fewer than 4 query heads
+    per KV head, head dims not a multiple of 8, a build without AVX2) or where a query sees no key
+    (sdpa's padding rows): sdpa then attends. Against sdpa on the CPU, which computes every query
+    against every key it is given (Gemma 3 270M's shapes: 4 heads, 1 KV head, D 256; one thread, Zen
+    4, medians of 15 interleaved calls): a 125-token prompt's causal layer 0.67 ms against 0.95; a
+    256-token chunk after 511 keys, 8.07 against 10.62 ms in a sliding layer (a band of 512 keys),
+    9.96 against 10.30 in a full one."""
+    batch, heads, length, dim = query.shape
+    mask = inputs.mask
+    if (
+        query.dtype is not torch.float32
+        or key.dtype is not torch.float32
+        or value.dtype is not torch.float32
+        or query.device.type != "cpu"
+        or heads % key.shape[1]
+        or (heads // key.shape[1]) % 4
+        or dim % 8
+        or (mask is not None and mask.dtype is not torch.bool)
+        or inputs.queries is not None
+        or not ensure_kernels()
+        or isa() not in ("avx2", "avx512")
+    ):
+        return None
+    keys = key.shape[2]
+    if inputs.rows is None:
+        if mask is not None:
+            visible = mask[:, 0].expand(batch, length, keys)
+        elif inputs.causal and length == keys:
+            visible = _causal(length, keys).expand(batch, length, keys)
+        else:
+            visible = None  # every key
+    else:
+        visible = torch.zeros(batch, length, keys, dtype=torch.bool)
+        for b, (start, end, alone) in enumerate(inputs.rows):
+            visible[b, :, start:end] = _causal(length, end - start) if alone else mask[b, 0, :, start:end]
+    if visible is not None and not bool(visible.any(-1).all()):
+        return None
+    return _DECODE_ATTENTION(query, key, value, scale, visible)
 
 
 @functools.lru_cache(maxsize=64)
 def _all_visible(rows: int, keys: int) -> torch.Tensor:
     """(rows, keys) True, made once per shape (the kernel only reads it): ~18 layers per step ask."""
     return torch.ones(rows, keys, dtype=torch.bool)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal(queries: int, keys: int) -> torch.Tensor:
+    """(queries, keys) True where key j <= query t (sdpa's is_causal: aligned at the first key)."""
+    return torch.ones(queries, keys, dtype=torch.bool).tril()
 
 
 sdpa_with_decode_kernel.reads_rings = True  # Attention hands it a decode step's sliding keys as RingKeys

@@ -452,17 +452,17 @@ def _decode_layer_output_reference(x, attended, products, formats, norms, eps, p
 
 
 def _decode_attention_reference(q, k, v, scale: float, visible=None) -> torch.Tensor:
-    """softmax(scale * q k^T) v for one query per head over its keys, q (B, H, 1, D) and k, v
-    (B, Hkv, S, D) -> (B, 1, H, D), float32; ``visible`` (B, S) bool: the keys each row sees (None:
-    all). The C++'s steps (scores times scale, exp of each minus the largest, the weighted values
-    summed, then divided by the weights' sum), in torch's float32 operations; the C++ sums in its own
-    order, takes exp from a polynomial good to ~1 ulp and splits contexts longer than 1024 keys into
-    pieces combined at the end, so the two differ by float32 rounding."""
+    """softmax(scale * q k^T) v for each query of each head over its keys, q (B, H, T, D) and k, v
+    (B, Hkv, S, D) -> (B, T, H, D), float32; ``visible`` (B, S) (T = 1) or (B, T, S) bool: the keys
+    each query sees (None: all). The C++'s steps (scores times scale, exp of each minus the largest,
+    the weighted values summed, then divided by the weights' sum), in torch's float32 operations;
+    the C++ sums in its own order, takes exp from a polynomial good to ~1 ulp and splits contexts
+    longer than 1024 keys into pieces combined at the end, so the two differ by float32 rounding."""
     if (
         q.dim() != 4
         or k.dim() != 4
         or k.shape != v.shape
-        or q.shape[2] != 1
+        or q.shape[2] == 0
         or k.shape[0] != q.shape[0]
         or k.shape[3] != q.shape[3]
         or k.shape[1] == 0  # no KV heads to share the query heads between
@@ -470,25 +470,26 @@ def _decode_attention_reference(q, k, v, scale: float, visible=None) -> torch.Te
         or k.shape[2] == 0  # a softmax over no keys is 0 / 0
     ):
         raise ValueError(
-            "decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected (Hkv dividing H, S at least 1), "
+            "decode_attention: q (B, H, T, D) and k, v (B, Hkv, S, D) expected (Hkv dividing H, S at least 1), "
             f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
         )
-    b, h, _, d = q.shape
-    kv_heads = k.shape[1]
-    query = q.reshape(b, kv_heads, h // kv_heads, d)  # each KV head's group of query heads
-    scores = query @ k.transpose(-1, -2) * scale  # (B, Hkv, G, S)
+    b, h, t, d = q.shape
+    s, kv_heads = k.shape[2], k.shape[1]
+    query = q.reshape(b, kv_heads, h // kv_heads * t, d)  # each KV head's group of query heads
+    scores = (query @ k.transpose(-1, -2) * scale).view(b, kv_heads, h // kv_heads, t, s)
     if visible is not None:
-        if visible.shape != (b, k.shape[2]):
+        if not (visible.shape == (b, t, s) or (t == 1 and visible.shape == (b, s))):
             raise ValueError(
-                f"decode_attention: visible must be (B, S) = {(b, k.shape[2])}, got {list(visible.shape)}"
+                f"decode_attention: visible must be (B, S) = {(b, s)} or (B, T, S) = {(b, t, s)}, "
+                f"got {list(visible.shape)}"
             )
-        seen = visible.bool()
+        seen = visible.bool().view(b, 1, 1, t, s)
         if not bool(seen.any(-1).all()):
-            raise ValueError("decode_attention: a row sees no key (a softmax over none is 0 / 0)")
-        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+            raise ValueError("decode_attention: a query sees no key (a softmax over none is 0 / 0)")
+        scores = scores.masked_fill(~seen, float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
-    out = (weights @ v) / weights.sum(-1, keepdim=True)  # (B, Hkv, G, D)
-    return out.reshape(b, 1, h, d)
+    out = (weights @ v[:, :, None]) / weights.sum(-1, keepdim=True)  # (B, Hkv, G, T, D)
+    return out.reshape(b, h, t, d).transpose(1, 2).contiguous()
 
 
 def _ring_columns(k: torch.Tensor, visible, slots, offsets):
@@ -587,7 +588,7 @@ def _gelu_mul_fake(gate, up):
 
 
 def _decode_attention_fake(q, k, v, scale, visible=None):
-    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 
 
 def _decode_attention_ring_fake(q, k, v, scale, visible, slots, offsets):
@@ -658,7 +659,8 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", _rope_fake, _rope_reference),
     # GeGLU's gelu_tanh(gate) * up in one call (float32): what a quantized model's MLPs run.
     Operator("gelu_mul(Tensor gate, Tensor up) -> Tensor", _gelu_mul_fake, _gelu_mul_reference),
-    # One new token's attention over its keys (all, or those `visible` marks), float32: a decode step's.
+    # Each query's attention over its keys (all, or those `visible` marks), float32, as a decode step's
+    # one new token attends: a decode step's, and a prompt's on the CPU (fused_cpu_ops).
     Operator(
         "decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? visible=None) -> Tensor",
         _decode_attention_fake,

@@ -1,6 +1,7 @@
 // decode_attention: one new token's attention over all its keys.
 
 #include <numeric>
+#include <string>
 
 #include "common.h"
 
@@ -9,7 +10,8 @@ namespace torchgemma::TG_ISA {
 // ── Attention of one new token ───────────────────────────────────────────────────────────────
 //
 // A decode step's attention: one query per head against S keys, every key seen (no mask), keys
-// and values shared by groups of H / Hkv query heads. softmax(scale * q k^T) v in float32, each
+// and values shared by groups of H / Hkv query heads. (A prompt's queries on the CPU attend the
+// same way, each as its own row over the keys it sees: decode_attention_cpu below.) softmax(scale * q k^T) v in float32, each
 // group of heads reading its keys and values once, on one thread per (row, KV head, piece of keys):
 // for one token the work is small, and threads share it only where a lone piece has many keys (a
 // sliding layer's whole window: kSplitKeys). Exponentials by a polynomial good to ~1 ulp (exp_ieee,
@@ -205,13 +207,21 @@ void attend_piece(const float* queries, const float* keys, int64_t kstride, cons
   }
 }
 
-// The attention of B rows, one query each (q (B, H, 1, D) contiguous): row b's keys and values are those
-// of k and v at dim-0 index rows[b], at the columns columns[b] (in that order), or at columns 0..S-1
-// where columns is empty. Contexts of more than kPiece keys are split into pieces (see kPiece).
+// Where each row's keys are: row r's at columns lists[r], in that order, or, where lists[r] is empty,
+// at columns starts[r] .. starts[r] + counts[r] - 1 (a causal or sliding row: no list to build).
+struct KeyColumns {
+  std::vector<std::vector<int64_t>> lists;
+  std::vector<int64_t> starts, counts;
+  explicit KeyColumns(int64_t rows) : lists(rows), starts(rows, 0), counts(rows, 0) {}
+};
+
+// The attention of N rows, one query each (q (N, H, 1, D) contiguous): row r's keys and values are
+// those of k and v at dim-0 index rows[r], at the columns `keys` gives. Contexts of more than kPiece
+// keys are split into pieces (see kPiece).
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& rows,
-                       const std::vector<std::vector<int64_t>>& columns, const std::vector<int64_t>& counts,
-                       double scale_in) {
+                       const KeyColumns& keys_of, double scale_in) {
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(3), G = H / Hkv;
+  const std::vector<int64_t>& counts = keys_of.counts;
   const int64_t widest = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
   // The pieces of work: (row, KV head, piece), in that order.
   std::vector<int64_t> first_piece(B + 1, 0);
@@ -239,18 +249,21 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       float* top = tops.data() + task * G;
       float* sum = sums.data() + task * G;
       float* acc = accs.data() + task * G * D;
-      if (!columns.empty()) {
-        const int64_t* cols = columns[b].data() + lo;
+      if (!keys_of.lists[b].empty()) {
+        const int64_t* cols = keys_of.lists[b].data() + lo;
         attend_piece(queries, keys, k.stride(2), values, v.stride(2), [cols](int64_t j) { return cols[j]; }, count,
                      G, D, scale, probs.data(), top, sum, acc, split);
       } else {
-        attend_piece(queries, keys, k.stride(2), values, v.stride(2), [lo](int64_t j) { return lo + j; }, count, G,
-                     D, scale, probs.data(), top, sum, acc, split);
+        const int64_t first = keys_of.starts[b] + lo;
+        attend_piece(queries, keys, k.stride(2), values, v.stride(2), [first](int64_t j) { return first + j; },
+                     count, G, D, scale, probs.data(), top, sum, acc, split);
       }
     }
   };
+  // Tasks differ in size (a prompt's later queries see more keys): taken from a shared counter
+  // (parallel_tasks), a few per thread, rather than in equal shares of rows.
   if (split) run(0, 1);
-  else at::parallel_for(0, tasks, 1, run);
+  else parallel_tasks(tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), run);
   // Each (row, KV head): its pieces combined in order, then divided by the weights' sum.
   at::Tensor out = at::empty({B, 1, H, D}, q.options());
   float* op = out.data_ptr<float>();
@@ -282,49 +295,73 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
-// The columns row b's visible (B, S) marks, each mapped by `column` (in order), and how many.
+// Row r's visible marks (S bools at marks) into keys_of: an interval where they are one, else a list
+// of the columns `column(j)` maps them to (always a list where `ring`: a ring's columns wrap).
+// `what` names the row in the error for a row that sees nothing.
 template <typename Column>
-void visible_columns(const at::Tensor& visible_in, int64_t B, int64_t S, Column column,
-                     std::vector<std::vector<int64_t>>& columns, std::vector<int64_t>& counts) {
-  const at::Tensor visible = visible_in.to(at::kBool).contiguous();
-  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == B && visible.size(1) == S,
-              "decode_attention: visible must be (B, S) = (", B, ", ", S, "), got ", visible.sizes());
-  const bool* vp = visible.data_ptr<bool>();
-  columns.assign(B, {});
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < S; ++j)
-      if (vp[b * S + j]) columns[b].push_back(column(b, j));
-    counts[b] = static_cast<int64_t>(columns[b].size());
-    TORCH_CHECK(counts[b] > 0, "decode_attention: row ", b, " sees no key (a softmax over none is 0 / 0)");
+void visible_keys(const bool* marks, int64_t S, int64_t r, Column column, bool ring, KeyColumns& keys_of,
+                  const char* op, const std::string& what) {
+  int64_t first = 0, end = S;
+  while (first < S && !marks[first]) ++first;
+  while (end > first && !marks[end - 1]) --end;
+  TORCH_CHECK(first < end, op, ": ", what, " sees no key (a softmax over none is 0 / 0)");
+  if (!ring && std::all_of(marks + first, marks + end, [](bool m) { return m; })) {
+    keys_of.starts[r] = first;
+    keys_of.counts[r] = end - first;
+    return;
   }
+  std::vector<int64_t>& list = keys_of.lists[r];
+  for (int64_t j = first; j < end; ++j)
+    if (marks[j]) list.push_back(column(j));
+  keys_of.counts[r] = static_cast<int64_t>(list.size());
 }
 
-void check_query(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+void check_query(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool one) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, op,
               ": float32 tensors expected");
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(3) == q.size(3) &&
-                  k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
-              op, ": q (B, H, 1, D) and k, v (*, Hkv, S, D) expected, got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
+  TORCH_CHECK(q.dim() == 4 && (one ? q.size(2) == 1 : q.size(2) >= 1) && k.dim() == 4 && v.sizes() == k.sizes() &&
+                  k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
+              op, ": q (B, H, ", one ? "1" : "T", ", D) and k, v (*, Hkv, S, D) expected, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
 }
 
-// q (B, H, 1, D), k and v (B, Hkv, S, D) (any strides but the last) -> (B, 1, H, D), float32.
-// `visible` (B, S) bool, optional: the keys each row sees (the others are skipped; every row must see
-// at least one). A row gets the bits it would get from its visible keys alone, in column order.
+// q (B, H, T, D), k and v (B, Hkv, S, D) (any strides but the last) -> (B, T, H, D), float32. Each of
+// the T queries of a row attends on its own, as a decode step's one query would: `visible` (B, S) or
+// (B, T, S) bool, optional (all keys), marks the keys each query sees (the others are skipped; every
+// query must see at least one). A query gets the bits it would get from its visible keys alone, in
+// column order, whatever T, the batch's other rows or the thread count: a prompt's token attends
+// here as its decode step would.
 at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                double scale, const std::optional<at::Tensor>& visible) {
-  check_query("decode_attention", q_in, k_in, v_in);
-  TORCH_CHECK(k_in.size(0) == q_in.size(0), "decode_attention: q (B, H, 1, D) and k, v (B, Hkv, S, D) expected, got ",
+                                double scale, const std::optional<at::Tensor>& visible_in) {
+  check_query("decode_attention", q_in, k_in, v_in, false);
+  TORCH_CHECK(k_in.size(0) == q_in.size(0), "decode_attention: q (B, H, T, D) and k, v (B, Hkv, S, D) expected, got ",
               q_in.sizes(), ", ", k_in.sizes());
-  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3), S = k_in.size(2);
+  // The queries one row each: (B * T, H, 1, D), row b * T + t.
+  const at::Tensor q = q_in.transpose(1, 2).contiguous().view({B * T, H, 1, D});
   const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
-  const int64_t B = q.size(0), S = k.size(2);
-  std::vector<int64_t> rows(B), counts(B, S);
-  std::iota(rows.begin(), rows.end(), 0);
-  std::vector<std::vector<int64_t>> columns;
-  if (visible) visible_columns(*visible, B, S, [](int64_t, int64_t j) { return j; }, columns, counts);
-  return attend_rows(q, k, v, rows, columns, counts, scale);
+  std::vector<int64_t> rows(B * T);
+  for (int64_t r = 0; r < B * T; ++r) rows[r] = r / T;
+  KeyColumns keys_of(B * T);
+  if (visible_in) {
+    const at::Tensor visible = visible_in->to(at::kBool).contiguous();
+    const bool flat = visible.dim() == 2 && T == 1;
+    TORCH_CHECK(flat || (visible.dim() == 3 && visible.size(1) == T),
+                "decode_attention: visible must be (B, S) = (", B, ", ", S, ") or (B, T, S) = (", B, ", ", T, ", ", S,
+                "), got ", visible.sizes());
+    TORCH_CHECK(visible.size(0) == B && visible.size(-1) == S, "decode_attention: visible must be (B, S) = (", B, ", ",
+                S, ") or (B, T, S) = (", B, ", ", T, ", ", S, "), got ", visible.sizes());
+    const bool* marks = visible.data_ptr<bool>();
+    for (int64_t r = 0; r < B * T; ++r) {
+      const std::string what = T == 1 ? "row " + std::to_string(r)
+                                       : "row " + std::to_string(r / T) + "'s query " + std::to_string(r % T);
+      visible_keys(marks + r * S, S, r, [](int64_t j) { return j; }, false, keys_of, "decode_attention", what);
+    }
+  } else {
+    std::fill(keys_of.counts.begin(), keys_of.counts.end(), S);
+  }
+  return attend_rows(q, k, v, rows, keys_of, scale).view({B, T, H, D});
 }
 
 // decode_attention over ring buffers, read in place: k and v (N, Hkv, R, D) hold N sequences' rings
@@ -332,28 +369,33 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
 // S logical keys j = 0..S-1 (visible (B, S)) at columns (offsets[b] + j) % R. The same bits as
 // decode_attention over those keys gathered, in that order.
 at::Tensor decode_attention_ring_cpu(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
-                                     const at::Tensor& visible, const at::Tensor& slots_in,
+                                     const at::Tensor& visible_in, const at::Tensor& slots_in,
                                      const at::Tensor& offsets_in) {
-  check_query("decode_attention_ring", q_in, k, v);
+  check_query("decode_attention_ring", q_in, k, v, true);
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_ring: rings must be contiguous in D");
   const at::Tensor q = q_in.contiguous();
-  const int64_t B = q.size(0), N = k.size(0), R = k.size(2), S = visible.size(-1);
+  const int64_t B = q.size(0), N = k.size(0), R = k.size(2), S = visible_in.size(-1);
   const at::Tensor slots = slots_in.to(at::kLong).contiguous(), offsets = offsets_in.to(at::kLong).contiguous();
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && offsets.dim() == 1 && offsets.size(0) == B,
               "decode_attention_ring: slots and offsets must be (B,) = (", B, ",), got ", slots.sizes(), " and ",
               offsets.sizes());
   TORCH_CHECK(S <= R, "decode_attention_ring: ", S, " keys per row do not fit a ring of ", R);
-  std::vector<int64_t> rows(B), counts(B);
+  std::vector<int64_t> rows(B);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= sp[b] && sp[b] < N, "decode_attention_ring: slot ", sp[b], " of row ", b, " is not in 0..", N - 1);
     rows[b] = sp[b];
   }
-  std::vector<std::vector<int64_t>> columns;
-  visible_columns(
-      visible, B, S, [&](int64_t b, int64_t j) { return ((op[b] + j) % R + R) % R; }, columns, counts);
-  return attend_rows(q, k, v, rows, columns, counts, scale);
+  const at::Tensor visible = visible_in.to(at::kBool).contiguous();
+  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == B, "decode_attention_ring: visible must be (B, S) = (", B,
+              ", ", S, "), got ", visible.sizes());
+  const bool* marks = visible.data_ptr<bool>();
+  KeyColumns keys_of(B);
+  for (int64_t b = 0; b < B; ++b)
+    visible_keys(marks + b * S, S, b, [&](int64_t j) { return ((op[b] + j) % R + R) % R; }, true, keys_of,
+                 "decode_attention_ring", "row " + std::to_string(b));
+  return attend_rows(q, k, v, rows, keys_of, scale);
 }
 
 }  // namespace torchgemma::TG_ISA
