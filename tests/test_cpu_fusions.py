@@ -171,12 +171,12 @@ def test_decode_attention_gives_each_of_several_queries_its_decode_steps_bits():
         decode(q, k, v, 0.125, visible[:, 0])
 
 
-def test_prompt_attention_skips_what_the_mask_hides_and_agrees_with_sdpa():
+def test_prompt_attention_skips_what_the_mask_hides_and_agrees_with_sdpa(monkeypatch):
     """A fused model's attention of several queries (a prompt's chunk) on float32 CPU tensors: one
     decode_attention call, its result sdpa's to float32 rounding, for causal queries (no mask), a
     boolean mask (a sliding band after earlier keys), rows with their own key ranges, and a key
-    slice. Where the kernel's vector code does not apply (2 query heads per KV head) or a query sees
-    nothing (sdpa's padding), sdpa runs."""
+    slice. Where the kernel's vector code does not apply (2 query heads per KV head), a query sees
+    nothing (sdpa's padding) or the queries are given more keys than PROMPT_KEYS, sdpa runs."""
     from torchgemma.model.attention import AttentionInputs, sdpa_backend
 
     gen = torch.Generator().manual_seed(9)
@@ -216,6 +216,9 @@ def test_prompt_attention_skips_what_the_mask_hides_and_agrees_with_sdpa():
         attend(q, k2, v2, AttentionInputs(None, None, padded), expect_kernel=False)
         few = torch.randn(2, 2, 12, 32, generator=gen)  # 2 query heads per KV head
         attend(few, k, v, AttentionInputs(None, None, None, causal=True), expect_kernel=False)
+        monkeypatch.setattr(cpu_fusions, "PROMPT_KEYS", 19)
+        attend(q, k2, v2, AttentionInputs(None, None, band.expand(2, 1, 12, 20)), expect_kernel=False)
+        attend(q, k2, v2, AttentionInputs(None, None, band[..., 4:], key_slice=slice(4, 20)))
     finally:
         cpu_fusions._DECODE_ATTENTION = original
 

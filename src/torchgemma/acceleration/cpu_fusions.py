@@ -169,12 +169,22 @@ def sdpa_with_decode_kernel(
     return sdpa_backend(query, key, value, inputs, scale) if attended is None else attended
 
 
+# The most keys a prompt's queries are given for decode_attention to take them. Each query reads its
+# keys and values on its own, where sdpa's kernel reads them once per block of queries: past the
+# caches' reach that costs more than the masked keys skipped save. 256 queries over the causal tail
+# of S keys (a full layer's chunk), one thread, Zen 4, kernel / sdpa: S = 1,023 14.3 / 14.1 ms,
+# 2,303 33.0 / 32.3, 4,351 68.6 / 66.6, 8,447 263.9 / 136.0 (two threads: 107.1 / 65.1). A sliding
+# layer's chunk is given at most its window and the chunk (767 keys for Gemma 3's 512 and 256).
+PROMPT_KEYS = 4096
+
+
 def _prompt_attention(query, key, value, inputs: AttentionInputs, scale: float) -> torch.Tensor | None:
     """Several queries per row (a prompt's) through ``decode_attention``, each over the keys it sees:
     the mask's, or the causal ones, row by row where the rows' key ranges differ. None where the
     kernel's vector code does not apply (it would then run scalar loops: fewer than 4 query heads
-    per KV head, head dims not a multiple of 8, a build without AVX2) or where a query sees no key
-    (sdpa's padding rows): sdpa then attends. Against sdpa on the CPU, which computes every query
+    per KV head, head dims not a multiple of 8, a build without AVX2), where the queries are given
+    more than ``PROMPT_KEYS`` keys, or where a query sees no key (sdpa's padding rows): sdpa then
+    attends. Against sdpa on the CPU, which computes every query
     against every key it is given (Gemma 3 270M's shapes: 4 heads, 1 KV head, D 256; one thread, Zen
     4, medians of 15 interleaved calls): a 125-token prompt's causal layer 0.67 ms against 0.95; a
     256-token chunk after 511 keys, 8.07 against 10.62 ms in a sliding layer (a band of 512 keys),
@@ -191,6 +201,7 @@ def _prompt_attention(query, key, value, inputs: AttentionInputs, scale: float) 
         or dim % 8
         or (mask is not None and mask.dtype is not torch.bool)
         or inputs.queries is not None
+        or key.shape[2] > PROMPT_KEYS
         or not ensure_kernels()
         or isa() not in ("avx2", "avx512")
     ):
@@ -207,7 +218,8 @@ def _prompt_attention(query, key, value, inputs: AttentionInputs, scale: float) 
         visible = torch.zeros(batch, length, keys, dtype=torch.bool)
         for b, (start, end, alone) in enumerate(inputs.rows):
             visible[b, :, start:end] = _causal(length, end - start) if alone else mask[b, 0, :, start:end]
-    if visible is not None and not bool(visible.any(-1).all()):
+    # (Causal queries each see their first key; a mask's may see none.)
+    if mask is not None and not bool(visible.any(-1).all()):
         return None
     return _DECODE_ATTENTION(query, key, value, scale, visible)
 
