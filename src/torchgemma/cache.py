@@ -222,7 +222,10 @@ class SlidingLayerCache:
             rows = step.row_slice
             keys = [self.keys[rows, :, a:b] for a, b in spans if b > a] + [key]
             values = [self.values[rows, :, a:b] for a, b in spans if b > a] + [value]
-            keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            if len(keys) > 1:  # (no past: this call's own keys as they are, not a copy)
+                keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            else:
+                keys, values = key, value
             start, length = step.common_start, key.shape[2]
             if start is not None and length <= self.ring:
                 # Every token stored, at (at most) two slices of ring columns.
