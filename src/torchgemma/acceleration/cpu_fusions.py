@@ -173,8 +173,10 @@ def sdpa_with_decode_kernel(
 # keys and values on its own, where sdpa's kernel reads them once per block of queries: past the
 # caches' reach that costs more than the masked keys skipped save. 256 queries over the causal tail
 # of S keys (a full layer's chunk), one thread, Zen 4, kernel / sdpa: S = 1,023 14.3 / 14.1 ms,
-# 2,303 33.0 / 32.3, 4,351 68.6 / 66.6, 8,447 263.9 / 136.0 (two threads: 107.1 / 65.1). A sliding
-# layer's chunk is given at most its window and the chunk (767 keys for Gemma 3's 512 and 256).
+# 2,303 33.0 / 32.3, 4,351 68.6 / 66.6, 8,447 263.9 / 136.0 (two threads: 107.1 / 65.1); with the
+# kernel's later tuning (scores' odd tail, largest score, kept buffers) 14.0 / 16.3, 30.8 / 31.9,
+# 74.0 / 73.4, 137.7 / 134.6: no gain past a few thousand keys either way. A sliding layer's chunk
+# is given at most its window and the chunk (767 keys for Gemma 3's 512 and 256).
 PROMPT_KEYS = 4096
 
 
@@ -186,9 +188,9 @@ def _prompt_attention(query, key, value, inputs: AttentionInputs, scale: float) 
     more than ``PROMPT_KEYS`` keys, or where a query sees no key (sdpa's padding rows): sdpa then
     attends. Against sdpa on the CPU, which computes every query
     against every key it is given (Gemma 3 270M's shapes: 4 heads, 1 KV head, D 256; one thread, Zen
-    4, medians of 15 interleaved calls): a 125-token prompt's causal layer 0.67 ms against 0.95; a
-    256-token chunk after 511 keys, 8.07 against 10.62 ms in a sliding layer (a band of 512 keys),
-    9.96 against 10.30 in a full one."""
+    4, medians of 15 interleaved calls, two runs): a 125-token prompt's causal layer 0.63-0.65 ms
+    against 1.13-1.16; a 256-token chunk after 511 keys, 8.4-9.1 against 11.4-12.4 ms in a sliding
+    layer (a band of 512 keys), 9.4-10.2 against 10.5-11.4 in a full one."""
     batch, heads, length, dim = query.shape
     mask = inputs.mask
     if (
