@@ -10,9 +10,9 @@ namespace torchgemma::TG_ISA {
 // ── Attention of one new token ───────────────────────────────────────────────────────────────
 //
 // A decode step's attention: one query per head against S keys, every key seen (no mask), keys
-// and values shared by groups of H / Hkv query heads. (A prompt's queries on the CPU attend the
-// same way, each as its own row over the keys it sees: decode_attention_cpu below.) softmax(scale * q k^T) v in float32, each
-// group of heads reading its keys and values once, on one thread per (row, KV head, piece of keys):
+// and values shared by groups of H / Hkv query heads (a prompt's queries on the CPU attend the same
+// way, each as its own row over the keys it sees: decode_attention_cpu below). softmax(scale * q
+// k^T) v in float32, each group of heads reading its keys and values once, on one thread per (row, KV head, piece of keys):
 // for one token the work is small, and threads share it only where a lone piece has many keys (a
 // sliding layer's whole window: kSplitKeys). Exponentials by a polynomial good to ~1 ulp (exp_ieee,
 // common.h), so the result is the exact softmax's to a float32 rounding, not sdpa's bits.
@@ -334,14 +334,14 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // Row r's visible marks (S bools at marks) into keys_of: an interval where they are one, else a list
 // of the columns `column(j)` maps them to (always a list where `ring`: a ring's columns wrap).
-// `what` names the row in the error for a row that sees nothing.
-template <typename Column>
+// `what()` names the row in the error for a row that sees nothing (built only then).
+template <typename Column, typename What>
 void visible_keys(const bool* marks, int64_t S, int64_t r, Column column, bool ring, KeyColumns& keys_of,
-                  const char* op, const std::string& what) {
+                  const char* op, What what) {
   int64_t first = 0, end = S;
   while (first < S && !marks[first]) ++first;
   while (end > first && !marks[end - 1]) --end;
-  TORCH_CHECK(first < end, op, ": ", what, " sees no key (a softmax over none is 0 / 0)");
+  TORCH_CHECK(first < end, op, ": ", what(), " sees no key (a softmax over none is 0 / 0)");
   if (!ring && std::all_of(marks + first, marks + end, [](bool m) { return m; })) {
     keys_of.starts[r] = first;
     keys_of.counts[r] = end - first;
@@ -391,8 +391,10 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
                 S, ") or (B, T, S) = (", B, ", ", T, ", ", S, "), got ", visible.sizes());
     const bool* marks = visible.data_ptr<bool>();
     for (int64_t r = 0; r < B * T; ++r) {
-      const std::string what = T == 1 ? "row " + std::to_string(r)
-                                       : "row " + std::to_string(r / T) + "'s query " + std::to_string(r % T);
+      const auto what = [r, T] {
+        return T == 1 ? "row " + std::to_string(r)
+                      : "row " + std::to_string(r / T) + "'s query " + std::to_string(r % T);
+      };
       visible_keys(marks + r * S, S, r, [](int64_t j) { return j; }, false, keys_of, "decode_attention", what);
     }
   } else {
@@ -431,7 +433,7 @@ at::Tensor decode_attention_ring_cpu(const at::Tensor& q_in, const at::Tensor& k
   KeyColumns keys_of(B);
   for (int64_t b = 0; b < B; ++b)
     visible_keys(marks + b * S, S, b, [&](int64_t j) { return ((op[b] + j) % R + R) % R; }, true, keys_of,
-                 "decode_attention_ring", "row " + std::to_string(b));
+                 "decode_attention_ring", [b] { return "row " + std::to_string(b); });
   return attend_rows(q, k, v, rows, keys_of, scale);
 }
 
